@@ -95,7 +95,8 @@ def python_module(
     env: Mapping[str, str] | None = None,
 ) -> Iterator[Proc]:
     """Run ``python -m module *args``; wait until ``ready_path`` answers 200; stop it after."""
-    log_file = tempfile.NamedTemporaryFile(prefix=f"{module}-{port}-", suffix=".log", delete=False)
+    fd, log_name = tempfile.mkstemp(prefix=f"{module}-{port}-", suffix=".log")
+    log_file = os.fdopen(fd, "wb")
     full_env = {**os.environ, **(env or {})}
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     popen = subprocess.Popen(
@@ -106,7 +107,7 @@ def python_module(
         stdin=subprocess.DEVNULL,
         env=full_env,
     )
-    proc = Proc(popen=popen, port=port, log_path=Path(log_file.name))
+    proc = Proc(popen=popen, port=port, log_path=Path(log_name))
     try:
         if ready_path is not None:
             wait_http(proc.url + ready_path, ready_timeout_s, proc)
