@@ -64,10 +64,14 @@ def _parse_devices(value: Any) -> Any:
     return value
 
 
+def _one_cpu() -> list[DeviceEntry]:
+    return ["cpu"]
+
+
 class ReplicasConfig(_Strict):
     # A list of GPU indices (NVML numbering) and/or "cpu" entries, or "all" for every GPU.
     devices: Annotated[list[DeviceEntry] | Literal["all"], BeforeValidator(_parse_devices)] = Field(
-        default_factory=lambda: ["cpu"]
+        default_factory=_one_cpu
     )
     host: str = "127.0.0.1"
     port_base: int = Field(9100, ge=1, le=65535)
