@@ -1,0 +1,124 @@
+"""The pure parts of `gpupool up`: what it starts, when it restarts, whether a GPU has room."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, parse_config
+from common.gpu import GpuInfo
+from common.protocol import MemoryInfo
+from deploy.plan import (
+    MIB,
+    PROJECT_ROOT,
+    RestartPolicy,
+    backoff_delay,
+    build_children,
+    child_env,
+    resolve_devices,
+    room_problems,
+)
+
+GIB = 1024 * MIB
+
+
+def gpu(index: int, free_gib: float, total_gib: float = 80) -> GpuInfo:
+    total = int(total_gib * GIB)
+    free = int(free_gib * GIB)
+    return GpuInfo(
+        index=index,
+        name="H100",
+        uuid=f"GPU-{index}",
+        memory=MemoryInfo(used_bytes=total - free, total_bytes=total, free_bytes=free),
+    )
+
+
+def test_children_are_the_replicas_then_the_router_with_their_own_argv() -> None:
+    cfg = parse_config(
+        {"replicas": {"devices": [3, "cpu"], "port_base": 9300}, "router": {"port": 8100}}
+    )
+    specs = build_children(cfg, Path("/run/up.yaml"), "/py")
+    assert [s.name for s in specs] == ["gpu3", "cpu0", "router"]
+    argv = ("/py", "-m", "replica", "--config", "/run/up.yaml", "--replica", "gpu3")
+    assert specs[0].argv == argv
+    assert specs[0].env == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert specs[1].env == {}  # a CPU replica sees whatever the launcher sees
+    assert specs[2].argv == ("/py", "-m", "router", "--config", "/run/up.yaml")
+    assert [s.url for s in specs] == [
+        "http://127.0.0.1:9300",
+        "http://127.0.0.1:9301",
+        "http://127.0.0.1:8100",
+    ]
+
+
+def test_a_router_on_all_interfaces_is_probed_on_loopback() -> None:
+    cfg = parse_config({"router": {"host": "0.0.0.0", "port": 8123}})
+    router = build_children(cfg, Path("c.yaml"), "py")[-1]
+    assert (router.host, router.url) == ("0.0.0.0", "http://127.0.0.1:8123")
+
+
+def test_child_env_can_import_gpupool_and_keeps_the_callers_path() -> None:
+    env = child_env({"CUDA_VISIBLE_DEVICES": "1"}, {"PYTHONPATH": "/x", "HOME": "/h"})
+    assert env["PYTHONPATH"].split(":") == [str(PROJECT_ROOT), "/x"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert env["HOME"] == "/h"
+    assert env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_devices_all_resolves_to_every_gpu_nvml_sees() -> None:
+    cfg = parse_config({"replicas": {"devices": "all"}})
+    resolved = resolve_devices(cfg, [gpu(0, 70), gpu(1, 70)], None)
+    assert resolved.replicas.devices == [0, 1]
+    assert [s.name for s in resolved.replica_settings()] == ["gpu0", "gpu1"]
+
+
+def test_devices_all_without_a_gpu_is_a_clear_error_with_nvmls_reason() -> None:
+    cfg = parse_config({"replicas": {"devices": "all"}})
+    with pytest.raises(ConfigError, match=r'"all" but no GPU was found \(driver not loaded\)'):
+        resolve_devices(cfg, [], "driver not loaded")
+
+
+def test_a_listed_gpu_that_does_not_exist_is_named() -> None:
+    cfg = parse_config({"replicas": {"devices": [0, 5]}})
+    with pytest.raises(ConfigError, match=r"GPU 5 not found \(GPUs present: 0, 1\)"):
+        resolve_devices(cfg, [gpu(0, 70), gpu(1, 70)], None)
+
+
+def test_backoff_doubles_from_one_second_up_to_the_cap() -> None:
+    assert [backoff_delay(n, 1.0, 30.0) for n in range(1, 8)] == [1, 2, 4, 8, 16, 30, 30]
+
+
+def test_a_child_that_keeps_crashing_is_given_up_after_max_restarts() -> None:
+    policy = RestartPolicy(max_restarts=3, base_s=1.0, stable_s=60.0)
+    delays = []
+    now = 0.0
+    for _ in range(4):
+        delays.append(policy.on_exit(started_at=now, now=now + 1.0))
+        now += 2.0
+    assert delays == [1.0, 2.0, 4.0, None]
+
+
+def test_a_child_that_ran_stably_before_crashing_starts_a_fresh_count() -> None:
+    policy = RestartPolicy(max_restarts=2, base_s=1.0, stable_s=60.0)
+    assert policy.on_exit(started_at=0.0, now=1.0) == 1.0
+    assert policy.on_exit(started_at=2.0, now=3.0) == 2.0
+    # Up for an hour this time: not the third crash in a row.
+    assert policy.on_exit(started_at=4.0, now=3604.0) == 1.0
+
+
+def test_max_restarts_zero_never_restarts() -> None:
+    assert RestartPolicy(max_restarts=0).on_exit(started_at=0.0, now=100.0) is None
+
+
+def test_room_check_names_each_gpu_without_space_for_weights_plus_headroom() -> None:
+    gpus = [gpu(0, 10), gpu(1, 1.5), gpu(2, 2.0)]
+    # 1 GiB of weights + 1024 MiB headroom = exactly 2 GiB needed.
+    problems = room_problems(gpus, [0, 1, 2], weights_bytes=GIB, headroom_mb=1024)
+    assert len(problems) == 1
+    assert problems[0].startswith("GPU 1 (H100): 1,536 MiB free")
+    assert "1,024 MiB + 1,024 MiB headroom" in problems[0]
+
+
+def test_room_check_only_looks_at_the_gpus_in_use() -> None:
+    assert room_problems([gpu(0, 0.1), gpu(1, 50)], [1], weights_bytes=GIB, headroom_mb=0) == []

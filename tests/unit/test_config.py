@@ -1,0 +1,133 @@
+"""The deployment YAML: a bad file names the field path and the problem, never a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, load_config, parse_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def error_of(data: object) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, origin="deploy.yaml")
+    return str(info.value)
+
+
+def test_a_bad_value_names_its_field_path_and_the_limit() -> None:
+    message = error_of({"replicas": {"max_queue": -1}})
+    assert "replicas.max_queue: must be >= 0 (got -1)" in message
+
+
+def test_a_nested_type_error_names_the_full_path() -> None:
+    message = error_of({"router": {"discovery": {"name": "x", "port": "http"}}})
+    assert "router.discovery.port: must be an integer" in message
+
+
+def test_unknown_keys_are_errors_not_silently_ignored() -> None:
+    message = error_of({"router": {"prot": 8001}, "replica": {}})
+    assert "router.prot: unknown key" in message
+    assert "replica: unknown key" in message
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    message = error_of({"model": {"max_new_tokens": 0}, "replicas": {"max_concurrency": 0}})
+    assert "model.max_new_tokens" in message
+    assert "replicas.max_concurrency" in message
+
+
+def test_router_port_inside_the_replica_range_is_a_conflict() -> None:
+    message = error_of(
+        {"replicas": {"devices": ["cpu"] * 3, "port_base": 8000}, "router": {"port": 8002}}
+    )
+    assert "router.port: 8002 collides with the replica ports 8000-8002" in message
+
+
+def test_replica_ports_past_65535_are_refused() -> None:
+    message = error_of({"replicas": {"devices": ["cpu", "cpu"], "port_base": 65535}})
+    assert "replicas.port_base" in message and "65535" in message
+
+
+def test_remote_replica_names_must_not_repeat() -> None:
+    twins = [{"url": "http://a:1", "name": "x"}, {"url": "http://b:2", "name": "x"}]
+    message = error_of({"remote_replicas": twins})
+    assert "names repeat" in message
+
+
+def test_remote_replica_url_needs_a_scheme() -> None:
+    assert "remote_replicas.0: url must start with http://" in error_of(
+        {"remote_replicas": [{"url": "gpu-b:9100"}]}
+    )
+
+
+@pytest.mark.parametrize(
+    ("devices", "expected"),
+    [
+        (["cpu", "cpu"], [("cpu0", "cpu", None), ("cpu1", "cpu", None)]),
+        ([0, 2], [("gpu0", "cuda", "0"), ("gpu2", "cuda", "2")]),
+        ([1, "cpu"], [("gpu1", "cuda", "1"), ("cpu0", "cpu", None)]),
+    ],
+)
+def test_devices_list_gives_one_replica_per_entry_on_consecutive_ports(
+    devices: list[object], expected: list[tuple[str, str, str | None]]
+) -> None:
+    cfg = parse_config({"replicas": {"devices": devices, "port_base": 9200}})
+    settings = cfg.replica_settings()
+    assert [(s.name, s.device, s.cuda_visible_devices) for s in settings] == expected
+    assert [s.port for s in settings] == [9200 + i for i in range(len(devices))]
+
+
+def test_devices_all_takes_the_gpu_indices_found() -> None:
+    cfg = parse_config({"replicas": {"devices": "all"}})
+    assert [s.name for s in cfg.replica_settings([0, 1, 3])] == ["gpu0", "gpu1", "gpu3"]
+    with pytest.raises(ConfigError, match="no GPU was found"):
+        cfg.replica_settings([])
+
+
+@pytest.mark.parametrize(
+    ("devices", "problem"),
+    [
+        ([], "at least one entry"),
+        ([0, 0], "repeat"),
+        (["gpu0"], 'entry 0 must be a GPU index (0, 1, ...) or "cpu"'),
+        ([-1], "entry 0 must be a GPU index"),
+        ("some", 'must be "all" or a list'),
+    ],
+)
+def test_bad_devices_are_explained(devices: object, problem: str) -> None:
+    message = error_of({"replicas": {"devices": devices}})
+    assert "devices" in message and problem in message
+
+
+def test_a_file_that_is_not_yaml_or_not_a_mapping_is_a_clear_error(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(scalar)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "multi-gpu.yaml", "multi-host.yaml"])
+def test_the_shipped_configs_load(name: str) -> None:
+    cfg = load_config(REPO / "configs" / name)
+    assert cfg.model.source == "builtin:smollm2-135m"
+
+
+def test_local_yaml_is_two_cpu_replicas_and_a_loopback_router_on_8000() -> None:
+    cfg = load_config(REPO / "configs" / "local.yaml")
+    assert [s.name for s in cfg.replica_settings()] == ["cpu0", "cpu1"]
+    assert (cfg.router.host, cfg.router.port) == ("127.0.0.1", 8000)
+
+
+def test_multi_host_yaml_names_its_remote_replicas() -> None:
+    cfg = load_config(REPO / "configs" / "multi-host.yaml")
+    assert cfg.replicas.devices == "all"
+    assert [name for name, _ in cfg.remote_endpoints()] == ["gpu-b-0", "gpu-b-1", "gpu-c-0"]

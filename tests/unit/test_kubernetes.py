@@ -1,0 +1,83 @@
+"""The Kubernetes manifests: valid offline against the bundled schemas, and wired together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from common.config import parse_config
+
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+FILES = sorted(K8S.glob("*.yaml"))
+
+
+def resources() -> dict[str, dict[str, Any]]:
+    found = {}
+    for path in FILES:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                found[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
+    return found
+
+
+def container(resource: dict[str, Any]) -> dict[str, Any]:
+    containers = resource["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return dict(containers[0])
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_every_manifest_is_valid_against_the_kubernetes_schema_offline(path: Path) -> None:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    assert docs
+    for doc in docs:
+        # strict: unknown fields are errors too. Schemas ship with the package: no network.
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_a_misspelt_field_is_caught_so_the_validation_above_can_fail() -> None:
+    bad = resources()["Deployment/gpupool-router"]
+    bad = {**bad, "spec": {**bad["spec"], "replicaz": 2}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_the_configmap_holds_a_deployment_discovering_the_headless_service_by_dns() -> None:
+    found = resources()
+    cfg = parse_config(yaml.safe_load(found["ConfigMap/gpupool-config"]["data"]["gpupool.yaml"]))
+    headless = found["Service/gpupool-replicas"]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert cfg.router.discovery is not None
+    assert cfg.router.discovery.name == headless["metadata"]["name"]
+    assert cfg.router.discovery.port == headless["spec"]["ports"][0]["port"]
+    assert cfg.replicas.host == "0.0.0.0" and cfg.router.host == "0.0.0.0"
+
+
+def test_each_replica_pod_has_one_gpu_probes_and_a_drain_shorter_than_its_grace() -> None:
+    sts = resources()["StatefulSet/gpupool-replica"]
+    c = container(sts)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert "livenessProbe" in c
+    stop = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert stop[:3] == ["python", "-m", "deploy.drain"]
+    drain_s = float(stop[stop.index("--timeout-s") + 1])
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain_s
+    assert sts["spec"]["serviceName"] == "gpupool-replicas"
+
+
+def test_the_router_drains_within_its_grace_period_and_the_service_reaches_it() -> None:
+    found = resources()
+    router = found["Deployment/gpupool-router"]
+    cfg = parse_config(yaml.safe_load(found["ConfigMap/gpupool-config"]["data"]["gpupool.yaml"]))
+    c = container(router)
+    grace = router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > cfg.router.drain_timeout_s
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert c["ports"][0]["containerPort"] == cfg.router.port
+    service = found["Service/gpupool"]
+    assert service["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
