@@ -1,0 +1,149 @@
+"""``python -m router --config FILE`` or ``python -m router --replica URL [--replica URL ...]``.
+
+Flags override the YAML's ``router:`` section. ``--replica`` takes ``URL`` or ``NAME=URL``;
+``--discover NAME[:PORT]`` resolves a DNS name periodically (Kubernetes headless Service).
+Always one uvicorn worker: the pool state lives in this one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from common.config import ConfigError, DnsDiscovery, RouterConfig, load_config
+from common.gpu import list_gpus
+from router.app import create_app
+from router.settings import ReplicaSpec, RouterSettings, from_deployment
+
+# Flag name -> RouterConfig field, for the knobs that may be set on the command line.
+_KNOBS: dict[str, type] = {
+    "health_interval_s": float,
+    "health_timeout_s": float,
+    "fail_threshold": int,
+    "success_threshold": int,
+    "min_free_memory_mb": int,
+    "max_attempts": int,
+    "retry_budget_ratio": float,
+    "request_timeout_s": float,
+    "connect_timeout_s": float,
+    "drain_timeout_s": float,
+    "api_keys_env": str,
+    "admin_keys_env": str,
+}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="gpupool router", description="Least-loaded router in front of gpupool replicas."
+    )
+    p.add_argument("--config", help="deployment YAML (replicas and the router: section)")
+    p.add_argument(
+        "--replica",
+        action="append",
+        default=[],
+        metavar="[NAME=]URL",
+        help="a replica's base URL (repeatable), e.g. http://127.0.0.1:9100 or gpu0=http://...",
+    )
+    p.add_argument("--discover", metavar="NAME[:PORT]", help="DNS name to resolve for replicas")
+    p.add_argument("--discover-interval-s", type=float, default=None)
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    p.add_argument("--max-concurrency", type=int, default=1, help="assumed until a report")
+    p.add_argument("--max-queue", type=int, default=32, help="assumed until a report")
+    p.add_argument("--foreign-max-concurrency", type=int, default=8)
+    p.add_argument("--foreign-max-queue", type=int, default=64)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    for knob, kind in _KNOBS.items():
+        p.add_argument("--" + knob.replace("_", "-"), type=kind, default=None)
+    return p.parse_args(argv)
+
+
+def build_settings(args: argparse.Namespace) -> RouterSettings:
+    if args.config:
+        config = load_config(args.config)
+        gpus = [g.index for g in list_gpus()] if config.replicas.devices == "all" else None
+        settings = from_deployment(config, gpus)
+        router = settings.router
+    else:
+        settings = RouterSettings()
+        router = RouterConfig()
+    updates = {k: getattr(args, k) for k in _KNOBS if getattr(args, k) is not None}
+    if args.host is not None:
+        updates["host"] = args.host
+    if args.port is not None:
+        updates["port"] = args.port
+    if args.discover:
+        name, _, port = args.discover.partition(":")
+        discovery = {"name": name}
+        if port:
+            discovery["port"] = port
+        if args.discover_interval_s is not None:
+            discovery["interval_s"] = args.discover_interval_s
+        updates["discovery"] = DnsDiscovery.model_validate(discovery)
+    try:
+        router = RouterConfig.model_validate({**router.model_dump(), **updates})
+    except ValueError as exc:
+        raise ConfigError(f"invalid router flags: {exc}") from exc
+    specs = list(settings.replicas)
+    for entry in args.replica:
+        name, sep, url = entry.partition("=")
+        if not sep or "://" in name:
+            name, url = entry.split("://", 1)[1].rstrip("/"), entry
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"--replica {entry!r}: the URL must start with http:// or https://")
+        specs.append(
+            ReplicaSpec(
+                name=name,
+                url=url.rstrip("/"),
+                max_concurrency=args.max_concurrency,
+                max_queue=args.max_queue,
+            )
+        )
+    names = [s.name for s in specs]
+    if len(names) != len(set(names)):
+        raise ConfigError(f"replica names repeat: {names}")
+    if not specs and router.discovery is None:
+        raise ConfigError("no replicas: give --config FILE, --replica URL or --discover NAME")
+    return settings.model_copy(
+        update={
+            "router": router,
+            "replicas": specs,
+            "foreign_max_concurrency": args.foreign_max_concurrency,
+            "foreign_max_queue": args.foreign_max_queue,
+        }
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        settings = build_settings(args)
+    except ConfigError as exc:
+        print(f"gpupool router: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # httpx logs every request at INFO: one line per probe and per proxied request is noise.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    cfg = settings.router
+    app = create_app(settings)
+    uvicorn.run(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        workers=1,
+        access_log=False,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=max(int(cfg.drain_timeout_s), 1),
+        lifespan="on",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,432 @@
+"""Forward a request to the least-loaded replica; stream the answer back without buffering.
+
+Rules:
+
+- Retry on a different replica after a connection failure (refused, reset, closed before an
+  answer), or a 429/503 from the replica, only while no byte has gone to the client; at most
+  ``max_attempts`` attempts, and retries are drawn from a ``RetryBudget``.
+- A connection failure ejects the replica at once (the poller brings it back).
+- Non-streaming answers are read whole before anything is sent, so a failure while reading
+  one is still retried. SSE answers (``text/event-stream``) are passed through chunk by chunk;
+  once one started, it is never retried: a cut ends it with ``data: {"error": {...}}``.
+- Other 5xx answers are passed through (the request may have run), and counted: ``fail_threshold``
+  consecutive 500/502s eject the replica with an exponential back-off (outlier ejection), so a
+  replica that fails every request while its /health looks fine is kept out of rotation; after
+  the back-off the poller may readmit it, and a single further 5xx ejects it again (longer).
+  504 is a slow request, not a broken replica, and 503 is retried, so neither counts.
+- A client that disconnects cancels the upstream request (the connection to the replica is
+  closed, which the replica treats as a cancel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.types import Message, Receive, Scope, Send
+
+from common.config import RouterConfig
+from common.protocol import ErrorBody
+from router.auth import Keys
+from router.budget import RetryBudget
+from router.errors import (
+    AllReplicasBusy,
+    NoReplicaReady,
+    PayloadTooLarge,
+    RouterDraining,
+    RouterError,
+    UpstreamTimeout,
+    error_response,
+)
+from router.health import CompletionRate
+from router.metrics import RouterMetrics
+from router.policy import Refusal, choose, refusal
+from router.pool import Pool, ReplicaState
+
+log = logging.getLogger("gpupool.router.proxy")
+
+# Request headers forwarded to a replica (the client's Authorization is the router's business).
+_FORWARD = {b"content-type", b"accept", b"x-request-id", b"user-agent"}
+# Response headers not passed back (hop-by-hop, or set by our own server/middleware).
+_DROP = {
+    b"connection",
+    b"keep-alive",
+    b"transfer-encoding",
+    b"content-length",
+    b"server",
+    b"date",
+    b"x-request-id",
+}
+_TRANSPORT_ERRORS = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.CloseError,
+)
+
+
+class _ClientGone(Exception):
+    """The client disconnected; nothing more is sent."""
+
+
+@dataclass
+class _Stored:
+    """A replica's 429/503, kept to pass through if no other replica can take the request."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+class Proxy:
+    """The ASGI endpoint of every proxied route, with the router's admission state."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        config: RouterConfig,
+        *,
+        metrics: RouterMetrics,
+        keys: Keys,
+        clock: Callable[[], float],
+        rng: random.Random,
+        max_body_bytes: int,
+    ) -> None:
+        self.pool = pool
+        self.config = config
+        self.metrics = metrics
+        self.keys = keys
+        self.clock = clock
+        self.rng = rng
+        self.max_body_bytes = max_body_bytes
+        self.client: httpx.AsyncClient | None = None  # set by the lifespan
+        self.budget = RetryBudget(config.retry_budget_ratio, clock)
+        self.rate = CompletionRate(clock)
+        self.timeout = httpx.Timeout(
+            config.request_timeout_s,
+            connect=config.connect_timeout_s,
+            pool=config.connect_timeout_s,
+        )
+        self.min_free_bytes = config.min_free_memory_mb * 1024 * 1024
+        self.draining = False
+        self.in_flight = 0
+
+    # ---- the ASGI endpoint -------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        info: dict[str, Any] = scope.setdefault("state", {})
+        request_id = str(info.get("request_id") or "")
+        try:
+            self.keys.check(_header(scope, b"authorization"), admin=False)
+            body = await self._read_body(receive)
+            if self.draining:
+                self.metrics.rejections.labels("draining").inc()
+                raise RouterDraining("the router is draining: it takes no new requests")
+        except RouterError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+        except _ClientGone:
+            return
+        self.in_flight += 1
+        me = asyncio.current_task()
+        state = {"gone": False, "done": False}
+        watcher = asyncio.ensure_future(self._watch_disconnect(receive, me, state))
+        try:
+            await self._serve(scope, send, body, request_id, info, state)
+        except asyncio.CancelledError:
+            if not state["gone"] or me is None:
+                raise
+            me.uncancel()
+            info["status_note"] = "client disconnected"
+        except _ClientGone:
+            info["status_note"] = "client disconnected"
+        finally:
+            state["done"] = True
+            watcher.cancel()
+            self.in_flight -= 1
+
+    async def _watch_disconnect(
+        self, receive: Receive, me: asyncio.Task[Any] | None, state: dict[str, bool]
+    ) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not state["done"] and me is not None:
+                    state["gone"] = True
+                    me.cancel()
+                return
+
+    async def _read_body(self, receive: Receive) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise PayloadTooLarge(
+                    f"request body larger than the router's limit of {self.max_body_bytes} bytes"
+                )
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    # ---- one request -------------------------------------------------------------------
+
+    async def _serve(
+        self,
+        scope: Scope,
+        send: Send,
+        body: bytes,
+        request_id: str,
+        info: dict[str, Any],
+        state: dict[str, bool],
+    ) -> None:
+        path = scope["path"]
+        query = scope.get("query_string", b"")
+        target = path + ("?" + query.decode("latin-1") if query else "")
+        headers = [(k, v) for k, v in scope["headers"] if k in _FORWARD]
+        if request_id and not any(k == b"x-request-id" for k, _ in headers):
+            headers.append((b"x-request-id", request_id.encode()))
+        try:
+            outcome = await self._exchange(scope["method"], target, headers, body, info)
+        except RouterError as exc:
+            answer = error_response(exc)
+            self.metrics.requests.labels(str(answer.status_code)).inc()
+            await answer(scope, _no_receive, send)
+            return
+        if isinstance(outcome, _Stored):
+            self.metrics.requests.labels(str(outcome.status)).inc()
+            await _send_whole(send, outcome.status, outcome.headers, outcome.body)
+            return
+        response, replica, content = outcome
+        self.metrics.requests.labels(str(response.status_code)).inc()
+        if content is not None:
+            self._finish(replica, response.status_code)
+            await _send_whole(send, response.status_code, _pass_headers(response), content)
+            return
+        await self._stream(send, response, replica, state)
+
+    async def _exchange(
+        self,
+        method: str,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        info: dict[str, Any],
+    ) -> tuple[httpx.Response, ReplicaState, bytes | None] | _Stored:
+        """Find a replica that answers; the response is open (SSE) or read (content)."""
+        assert self.client is not None, "the lifespan sets the client"
+        self.budget.deposit()
+        tried: list[str] = []
+        stored: _Stored | None = None
+        failure: str | None = None
+        for attempt in range(self.config.max_attempts):
+            replica = choose(
+                self.pool.replicas.values(),
+                self.rng,
+                min_free_memory_bytes=self.min_free_bytes,
+                exclude=tried,
+            )
+            if replica is None:
+                if stored is None and (
+                    attempt == 0 or refusal(self.pool.list()) is Refusal.ALL_FULL
+                ):
+                    raise self._refuse()
+                break
+            if attempt > 0:
+                if not self.budget.try_spend():
+                    self.metrics.rejections.labels("retry_budget").inc()
+                    break
+                self.metrics.retries.labels(info.get("retry_reason", "unknown")).inc()
+            tried.append(replica.name)
+            info["replica"] = replica.name
+            info["attempts"] = attempt + 1
+            replica.in_flight += 1
+            replica.picks += 1
+            started = self.clock()
+            request = self.client.build_request(
+                method, replica.url + target, headers=headers, content=body, timeout=self.timeout
+            )
+            try:
+                response = await self.client.send(request, stream=True)
+                self.metrics.upstream_latency.labels(replica.name).observe(self.clock() - started)
+                sse = response.headers.get("content-type", "").startswith("text/event-stream")
+                if sse and response.status_code < 400:
+                    return response, replica, None
+                content = await response.aread()
+                await response.aclose()
+            except _TRANSPORT_ERRORS as exc:
+                self._release(replica)
+                failure = f"replica {replica.name} failed: {_describe(exc)}"
+                self.eject(replica, failure)
+                info["retry_reason"] = "connection"
+                continue
+            except asyncio.CancelledError:
+                self._release(replica)
+                raise
+            except httpx.TimeoutException as exc:
+                self._release(replica)
+                replica.errors += 1
+                replica.last_error = f"timed out: {_describe(exc)}"
+                raise UpstreamTimeout(
+                    f"replica {replica.name} did not answer within "
+                    f"{self.config.request_timeout_s:g}s"
+                ) from exc
+            status = response.status_code
+            if status in (429, 503):
+                self._release(replica)
+                self._note_refusal(replica, status)
+                stored = _Stored(status, _pass_headers(response), content)
+                info["retry_reason"] = str(status)
+                continue
+            return response, replica, content
+        if stored is not None:
+            return stored
+        raise NoReplicaReady(
+            (failure or "no replica could take the request") + "; no other replica is ready"
+        )
+
+    def _refuse(self) -> RouterError:
+        replicas = self.pool.list()
+        if refusal(replicas) is Refusal.ALL_FULL:
+            self.metrics.rejections.labels("all_full").inc()
+            waiting = sum(max(r.outstanding - r.max_concurrency, 0) for r in replicas) + 1
+            return AllReplicasBusy(
+                "every replica is busy (all slots and queues full); retry later",
+                retry_after_s=self.rate.retry_after_s(waiting),
+            )
+        self.metrics.rejections.labels("none_ready").inc()
+        states = ", ".join(f"{r.name}: {r.state}" for r in replicas) or "the pool is empty"
+        return NoReplicaReady(f"no replica is ready ({states})")
+
+    async def _stream(
+        self,
+        send: Send,
+        response: httpx.Response,
+        replica: ReplicaState,
+        state: dict[str, bool],
+    ) -> None:
+        finished = False
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": _pass_headers(response),
+                }
+            )
+            try:
+                async for chunk in response.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except (httpx.HTTPError, OSError) as exc:
+                if isinstance(exc, OSError):
+                    raise _ClientGone from exc
+                reason = f"stream from replica {replica.name} broke: {_describe(exc)}"
+                finished = True
+                self._finish(replica, 502)
+                if isinstance(exc, _TRANSPORT_ERRORS):
+                    self.eject(replica, reason)
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": _sse_error(reason),
+                        "more_body": True,
+                    }
+                )
+            if not finished:
+                finished = True
+                self._finish(replica, response.status_code)
+            state["done"] = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            if not finished:
+                self._release(replica)
+            await response.aclose()
+
+    # ---- bookkeeping -------------------------------------------------------------------
+
+    def _release(self, replica: ReplicaState) -> None:
+        replica.in_flight -= 1
+        self.pool.reap(replica)
+
+    def _finish(self, replica: ReplicaState, status: int) -> None:
+        self._release(replica)
+        self.rate.record()
+        if status >= 500 and status not in (503, 504):
+            replica.errors += 1
+            replica.consecutive_5xx += 1
+            replica.last_error = f"answered {status}"
+            if replica.consecutive_5xx >= self.config.fail_threshold:
+                backoff = min(self.config.health_interval_s * 2**replica.error_ejections, 60.0)
+                replica.error_ejections += 1
+                replica.ejected_until = self.clock() + backoff
+                self.eject(replica, f"{replica.consecutive_5xx} consecutive {status} answers")
+        elif status < 500:
+            replica.consecutive_5xx = 0
+            replica.error_ejections = 0
+
+    def _note_refusal(self, replica: ReplicaState, status: int) -> None:
+        """A replica said 429 (full) or 503 (not ready): believe it until its next report."""
+        if status == 503:
+            replica.ready = False
+        else:
+            replica.reported_in_flight = replica.max_concurrency
+            replica.reported_queued = replica.max_queue
+            replica.own_at_report = replica.in_flight
+
+    def eject(self, replica: ReplicaState, reason: str) -> None:
+        """Take a replica out of rotation now; the poller readmits it after successes."""
+        replica.errors += 1
+        replica.last_error = reason
+        replica.consecutive_successes = 0
+        if replica.healthy:
+            replica.healthy = False
+            replica.ejections += 1
+            log.warning("ejected replica %s: %s", replica.name, reason)
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def _pass_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in response.headers.raw if k.lower() not in _DROP]
+
+
+async def _send_whole(
+    send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+) -> None:
+    headers = [*headers, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _sse_error(message: str) -> bytes:
+    body = ErrorBody.make(message, "upstream_error", code="stream_interrupted")
+    return b"data: " + json.dumps(body.model_dump()).encode() + b"\n\n"
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,55 @@
+"""What one router process runs with: the router section of the YAML plus its replica list."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.config import DeploymentConfig, RouterConfig
+
+
+class ReplicaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    url: str
+    # Until the first report; a gpupool replica then reports its own.
+    max_concurrency: int = Field(1, ge=1)
+    max_queue: int = Field(32, ge=0)
+
+
+class RouterSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    replicas: list[ReplicaSpec] = Field(default_factory=list)
+    # Capacity assumed for a replica whose /health is not a gpupool report (vLLM, TGI...).
+    foreign_max_concurrency: int = Field(8, ge=1)
+    foreign_max_queue: int = Field(64, ge=0)
+    # Bodies above this are answered 413 by the router itself.
+    max_body_bytes: int = Field(16_000_000, ge=1024)
+
+
+def from_deployment(
+    config: DeploymentConfig, gpu_indices: list[int] | None = None
+) -> RouterSettings:
+    """Local replicas by port (named cpu0, gpu3, ... as the launcher names them) and remote ones."""
+    specs = [
+        ReplicaSpec(
+            name=s.name, url=s.url, max_concurrency=s.max_concurrency, max_queue=s.max_queue
+        )
+        for s in config.replica_settings(gpu_indices)
+    ]
+    specs += [
+        ReplicaSpec(
+            name=name,
+            url=url,
+            max_concurrency=config.replicas.max_concurrency,
+            max_queue=config.replicas.max_queue,
+        )
+        for name, url in config.remote_endpoints()
+    ]
+    return RouterSettings(
+        router=config.router,
+        replicas=specs,
+        max_body_bytes=max(config.model.max_body_bytes * 2, 1024),
+    )
