@@ -73,7 +73,8 @@ def status(
     ),
 ) -> None:
     """Show each replica behind a router: state, load, queue, memory, restarts."""
-    console = Console(highlight=False)
+    # Piped or captured: do not squeeze the table into 80 columns.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     token = (
         key
         or first_key(os.environ, "GPUPOOL_ADMIN_KEYS")

@@ -66,8 +66,8 @@ def build_table(
         if isinstance(c, dict) and c.get("kind") == "replica"
     }
     table = Table(title=f"gpupool replicas behind {url}", title_justify="left")
-    for column in ("replica", "state", "load", "in flight", "queued", "memory", "restarts", "url"):
-        justify = "right" if column in ("load", "in flight", "queued", "restarts") else "left"
+    for column in ("replica", "state", "load", "running", "queued", "memory", "restarts", "url"):
+        justify = "right" if column in ("load", "running", "queued", "restarts") else "left"
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     seen = set()
     for r in replicas:

@@ -1,0 +1,208 @@
+"""`gpupool up` as real processes on loopback: serve, restart, drain, leave no child behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.support import REPO, free_port, wait_http
+
+
+@dataclass
+class Up:
+    popen: subprocess.Popen[bytes]
+    url: str
+    state_dir: Path
+    log_path: Path
+    env: dict[str, str]
+
+    def state(self) -> dict[str, Any]:
+        files = list(self.state_dir.glob("up-*.json"))
+        assert len(files) == 1, files
+        data: dict[str, Any] = json.loads(files[0].read_text())
+        return data
+
+    def child(self, name: str) -> dict[str, Any]:
+        return next(c for c in self.state()["children"] if c["name"] == name)
+
+    def pids(self) -> list[int]:
+        return [c["pid"] for c in self.state()["children"] if c["pid"]]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting to be reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def write_config(tmp_path: Path, source: str, devices: str, **replicas: object) -> Path:
+    base = free_port()
+    extra = "".join(f"  {k}: {v}\n" for k, v in replicas.items())
+    path = tmp_path / "up.yaml"
+    path.write_text(
+        f"model:\n  source: '{source}'\n  max_new_tokens: 32\n"
+        f"replicas:\n  devices: {devices}\n  port_base: {base}\n  ready_timeout_s: 120\n{extra}"
+        f"router:\n  port: {free_port()}\n  health_interval_s: 0.2\n  drain_timeout_s: 20\n"
+    )
+    return path
+
+
+@contextmanager
+def gpupool_up(tmp_path: Path, config: Path) -> Iterator[Up]:
+    state_dir = tmp_path / "state"
+    env = {**os.environ, "GPUPOOL_STATE_DIR": str(state_dir), "PYTHONPATH": str(REPO)}
+    log_path = tmp_path / "up.log"
+    with log_path.open("wb") as log:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "deploy", "up", str(config)],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    port = int(config.read_text().split("router:\n  port: ")[1].split()[0])
+    up = Up(popen, f"http://127.0.0.1:{port}", state_dir, log_path, env)
+    pids: list[int] = []
+    try:
+        wait_http(up.url + "/health", 120)
+        wait_until(lambda: "gpupool is up" in up.log(), 30, "the summary")
+        pids = up.pids()
+        yield up
+    finally:
+        with suppress(Exception):
+            pids = sorted(set(pids) | set(up.pids()))
+        if popen.poll() is None:
+            popen.terminate()
+            try:
+                popen.wait(40)
+            except subprocess.TimeoutExpired:
+                popen.kill()
+                popen.wait(5)
+        for pid in pids:  # never leave a child behind, even when the test failed
+            with suppress(ProcessLookupError):
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def router_states(url: str) -> list[str]:
+    body = httpx.get(url + "/replicas", timeout=5).json()
+    items = body["replicas"] if isinstance(body, dict) else body
+    return [str(r["state"]) for r in items]
+
+
+def generate(url: str, max_tokens: int = 2, timeout_s: float = 30) -> int:
+    body = {"text": "hello", "max_tokens": max_tokens}
+    r = httpx.post(url + "/generate", json=body, timeout=timeout_s)
+    return r.status_code
+
+
+def test_simulated_fleet_serves_restarts_a_killed_replica_and_drains_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    config = write_config(
+        tmp_path, "simulated:fixed_ms=100,decode_ms=100", "[cpu, cpu]", max_concurrency=4
+    )
+    with gpupool_up(tmp_path, config) as up:
+        assert [generate(up.url) for _ in range(4)] == [200] * 4
+
+        status = subprocess.run(
+            [sys.executable, "-m", "deploy", "status", "--url", up.url],
+            cwd=REPO,
+            env={**up.env, "COLUMNS": "200"},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert status.returncode == 0, status.stdout + status.stderr
+        for word in ("cpu0", "cpu1", "restarts", "ready"):
+            assert word in status.stdout
+
+        # kill -9 one replica: requests sent during the outage succeed on the other one.
+        victim = up.child("cpu1")["pid"]
+        os.kill(victim, signal.SIGKILL)
+        assert [generate(up.url) for _ in range(6)] == [200] * 6
+        wait_until(
+            lambda: (
+                up.child("cpu1")["pid"] not in (None, victim)
+                and up.child("cpu1")["state"] == "ready"
+            ),
+            60,
+            "cpu1 restarted and ready",
+        )
+        assert up.child("cpu1")["restarts"] == 1
+        wait_until(
+            lambda: router_states(up.url) == ["ready", "ready"],
+            30,
+            "the router to see both replicas ready",
+        )
+
+        # SIGTERM while requests run: every one is answered, then nothing is left.
+        children = up.pids()
+        results: list[int] = []
+        threads = [
+            threading.Thread(
+                target=lambda: results.append(generate(up.url, max_tokens=30, timeout_s=60))
+            )
+            for _ in range(6)
+        ]
+        for t in threads:
+            t.start()
+        wait_until(
+            lambda: httpx.get(up.url + "/health", timeout=5).json().get("in_flight", 0) == 6,
+            20,
+            "all six requests in flight at the router",
+        )
+        up.popen.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert results == [200] * 6
+        assert up.popen.wait(60) == 0
+        wait_until(lambda: not any(alive(p) for p in children), 10, "no child left")
+        assert not list(up.state_dir.glob("up-*.json"))
+
+
+def test_tiny_model_fleet_answers_and_kill_9_of_the_launcher_leaves_no_child(
+    tmp_path: Path,
+) -> None:
+    config = write_config(tmp_path, "builtin:tiny-random", "[cpu]")
+    with gpupool_up(tmp_path, config) as up:
+        r = httpx.post(
+            up.url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["role"] == "assistant"
+        children = up.pids()
+        assert len(children) == 2  # one replica, the router
+        up.popen.kill()
+        up.popen.wait(10)
+        wait_until(lambda: not any(alive(p) for p in children), 15, "no orphan after kill -9")
