@@ -1,0 +1,101 @@
+"""`python -m bench.ladder` against a real replica running the simulated engine.
+
+The replica admits 4 requests at once and queues 4 more; each request is ~10 tokens of 4 ms.
+So throughput must rise from 1 to 4 clients, then stay flat at 16 while 429s and latency grow.
+Assertions are on ratios and order with wide margins, never on absolute times.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.support import REPO, replica_process
+
+SIMULATED = "simulated:decode_ms=4,prefill_ms=0"
+
+
+def run_ladder(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bench.ladder", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def by_level(path: Path) -> dict[int, dict[str, Any]]:
+    data = json.loads((path / "results.json").read_text())
+    return {lv["concurrency"]: lv for lv in data["levels"]}
+
+
+def test_throughput_flattens_at_capacity_while_rejections_and_latency_grow(tmp_path: Path) -> None:
+    with replica_process(
+        "--model", SIMULATED, "--max-concurrency", "4", "--max-queue", "4", ready_timeout_s=60
+    ) as replica:
+        done = run_ladder(
+            "--url", replica.url, "--levels", "1,4,16", "--requests-per-level", "32",
+            "--max-tokens", "10", "--prompt-tokens", "16", "--stream",
+            "--slo-e2e-ms", "10000", "--out", str(tmp_path),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    levels = by_level(tmp_path)
+    one, four, sixteen = levels[1], levels[4], levels[16]
+    # Rises until capacity (4 slots), then flattens.
+    assert four["request_rate"] > 1.5 * one["request_rate"]
+    assert sixteen["request_rate"] < 1.5 * four["request_rate"]
+    # Rejections only past concurrency + queue (4 + 4 < 16).
+    assert one["rejected"] == 0 and four["rejected"] == 0
+    assert sixteen["rejected"] > 0
+    assert all(lv["failed"] == 0 for lv in levels.values())
+    # Waiting in the queue shows in latency and in the replica's own queue-wait histogram.
+    assert sixteen["e2e_ms"]["p90"] > four["e2e_ms"]["p50"]
+    assert sixteen["queue_wait_ms"]["mean"] > four["queue_wait_ms"]["mean"]
+    assert sixteen["queue_wait_source"] == "metrics"
+    # Token timing: 10 tokens per answer, 9 gaps each; generous SLO met by every admitted one.
+    assert four["mean_output_tokens"] == 10
+    assert four["itl_ms"]["count"] == 9 * four["ok"]
+    assert four["goodput"] == 1.0 and sixteen["goodput"] < 1.0
+    # Memory sampled from /health: the simulated weights (500 MiB) at least.
+    assert all(lv["memory"]["replica"]["peak_used_mb"] >= 500 for lv in levels.values())
+
+
+def test_files_are_written_and_agree(tmp_path: Path) -> None:
+    with replica_process("--model", SIMULATED, "--max-concurrency", "2", ready_timeout_s=60) as r:
+        done = run_ladder(
+            "--url", r.url, "--levels", "1,2", "--requests-per-level", "6",
+            "--max-tokens", "4", "--endpoint", "chat", "--out", str(tmp_path),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    levels = by_level(tmp_path)
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert [int(r["concurrency"]) for r in rows] == sorted(levels) == [1, 2]
+    for row in rows:
+        lv = levels[int(row["concurrency"])]
+        assert (int(row["requests"]), int(row["ok"]), int(row["rejected"])) == (
+            lv["requests"],
+            lv["ok"],
+            lv["rejected"],
+        )
+        assert lv["requests"] == lv["ok"] == 6
+    assert (tmp_path / "ladder.png").read_bytes()[:4] == b"\x89PNG"
+    assert "conc" in done.stdout  # the final table
+
+
+def test_duration_mode_runs_until_the_time_is_up(tmp_path: Path) -> None:
+    with replica_process("--model", SIMULATED, "--max-concurrency", "2", ready_timeout_s=60) as r:
+        done = run_ladder(
+            "--url", r.url, "--levels", "2", "--duration-s", "0.5",
+            "--max-tokens", "4", "--out", str(tmp_path),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    level = by_level(tmp_path)[2]
+    assert level["ok"] >= 2 and level["failed"] == 0
+    assert level["requests"] == level["ok"] + level["rejected"]
+    # Clients keep sending until the time is up, so the last answer comes after it.
+    assert level["duration_s"] >= 0.5 and not level["stopped_early"]

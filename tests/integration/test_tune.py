@@ -1,0 +1,91 @@
+"""`python -m bench.tune` against replicas running the simulated engine.
+
+Memory case: a 1000 MiB simulated GPU with 500 MiB of weights and 600 KiB of KV per token, and
+100 MiB of headroom. A request holds its ~90 prompt tokens plus up to 10 generated ones, so 4 at
+once use <= 734 MiB, while 8 at once use >= 922 MiB: above total - headroom (900 MiB) but under
+the total, so the step fails on memory (not OOM). The answer must be 4.
+
+SLO case: knee=2 makes every decode step slower beyond 2 requests in flight (10 ms, 20 ms at 4,
+40 ms at 8); a 30 ms TPOT objective then holds up to 4 clients and fails at 8.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support import REPO, replica_process
+
+CONFIG = """\
+# A simulated GPU for tune tests.
+model:
+  source: "simulated:decode_ms=5,prefill_ms=0,weights_mb=500,kv_kb_per_token=600,total_mb=1000"
+  max_new_tokens: 64   # short answers
+
+replicas:
+  devices: [cpu]
+  # raised by measurement
+  max_concurrency: 1   # tune me
+  max_queue: 16
+  headroom_mb: 100
+
+router:
+  port: 8000
+"""
+
+
+def run_tune(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bench.tune", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_tune_stops_at_the_memory_limit_and_writes_back(tmp_path: Path) -> None:
+    config = tmp_path / "sim.yaml"
+    config.write_text(CONFIG)
+    done = run_tune(
+        str(config), "--prompt-tokens", "90", "--max-tokens", "10", "--up-to", "32",
+        "--write", "--out", str(tmp_path / "out"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "recommended max_concurrency: 4" in done.stdout
+    report = json.loads((tmp_path / "out" / "tune.json").read_text())
+    steps = report["steps"]
+    assert [s["concurrency"] for s in steps] == [1, 2, 4, 8]  # stopped at the first bad step
+    assert [s["problem"] is None for s in steps] == [True, True, True, False]
+    assert "memory" in steps[-1]["problem"] and steps[-1]["summary"]["oom"] == 0
+    assert report["recommended"] == 4
+    before, after = CONFIG.splitlines(), config.read_text().splitlines()
+    changed = [(a, b) for a, b in zip(before, after, strict=True) if a != b]
+    assert changed == [("  max_concurrency: 1   # tune me", "  max_concurrency: 4   # tune me")]
+
+
+def test_tune_against_a_url_stops_at_a_missed_slo(tmp_path: Path) -> None:
+    model = "simulated:decode_ms=10,prefill_ms=0,knee=2"
+    with replica_process(
+        "--model", model, "--max-concurrency", "64", ready_timeout_s=60
+    ) as replica:
+        done = run_tune(
+            "--url", replica.url, "--stream", "--slo-tpot-ms", "30", "--max-tokens", "10",
+            "--prompt-tokens", "8", "--up-to", "16", "--out", str(tmp_path),
+        )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "recommended client concurrency: 4" in done.stdout
+    steps = json.loads((tmp_path / "tune.json").read_text())["steps"]
+    assert [s["concurrency"] for s in steps] == [1, 2, 4, 8]
+    assert "missed SLO" in steps[-1]["problem"]
+
+
+def test_tune_reports_a_replica_that_cannot_start(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(CONFIG.replace("decode_ms=5", "bogus=1"))
+    done = run_tune(str(config), "--up-to", "2", "--ready-timeout-s", "60")
+    assert done.returncode == 1
+    assert "exited" in done.stderr and "bogus" in done.stderr
+    assert config.read_text() == CONFIG.replace("decode_ms=5", "bogus=1")

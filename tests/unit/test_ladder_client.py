@@ -1,0 +1,101 @@
+"""bench.client: what one request's answer becomes (SSE timing, usage, 429, OOM), and CLI errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from bench import ladder, tune
+from bench.client import RequestSpec, send
+from bench.workload import Prompt
+
+
+def sse(*events: object) -> bytes:
+    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+
+
+def ticking() -> Callable[[], float]:
+    """A clock that advances one second per reading."""
+    counter: Iterator[int] = iter(range(1000))
+    return lambda: float(next(counter))
+
+
+def client_for(status: int, body: bytes, seen: list[dict[str, object]]) -> httpx.AsyncClient:
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(status, content=body)
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+SPEC = RequestSpec(base_url="http://r", endpoint="chat", model="m", max_tokens=8, stream=True)
+
+
+async def test_stream_timing_follows_chunks_and_tokens_come_from_usage() -> None:
+    chunk = {"choices": [{"delta": {"content": "tok"}}]}
+    body = sse(
+        {"choices": [{"delta": {"role": "assistant"}}]},  # no text: not a token
+        chunk,
+        chunk,
+        chunk,
+        {"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 5}},
+    )
+    seen: list[dict[str, object]] = []
+    async with client_for(200, body, seen) as client:
+        r = await send(client, SPEC, Prompt(text="hi"), clock=ticking())
+    assert r.ok and r.streamed
+    assert r.ttft_s == 1.0 and r.itl_s == (1.0, 1.0) and r.latency_s == 4.0
+    assert (r.prompt_tokens, r.output_tokens) == (11, 5)
+    assert seen[0]["stream_options"] == {"include_usage": True}
+    assert seen[0]["messages"] == [{"role": "user", "content": "hi"}]
+
+
+async def test_rejection_oom_and_stream_error_are_told_apart() -> None:
+    prompt = Prompt(text="hi")
+    full = json.dumps({"error": {"message": "queue full", "type": "rate_limit_error"}}).encode()
+    oom = json.dumps(
+        {"error": {"message": "out of device memory: 3 MiB free", "type": "service_unavailable"}}
+    ).encode()
+    broken = sse({"choices": [{"delta": {"content": "a"}}]}, {"error": {"message": "boom"}})
+    async with client_for(429, full, []) as c:
+        rejected = await send(c, SPEC, prompt)
+    async with client_for(503, oom, []) as c:
+        out_of_memory = await send(c, SPEC, prompt)
+    async with client_for(200, broken, []) as c:
+        stream_error = await send(c, SPEC, prompt)
+    assert rejected.rejected and not rejected.ok and not rejected.oom
+    assert out_of_memory.oom and out_of_memory.failure_key == "503"
+    assert not stream_error.ok and stream_error.failure_key == "stream_error"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--url", "http://x", "--levels", "0,2"],
+        ["--url", "localhost:8000"],
+        ["--url", "http://x", "--requests-per-level", "4", "--duration-s", "2"],
+        ["--url", "http://x", "--slo-tpot-ms", "50"],  # TPOT needs --stream
+        ["--url", "http://x", "--prompt-tokens", "9:3"],
+    ],
+)
+def test_ladder_refuses_bad_arguments(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        ladder.main(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_ladder_reports_an_unreachable_server(tmp_path: object) -> None:
+    from tests.support import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    assert ladder.main(["--url", url, "--levels", "1", "--out", str(tmp_path)]) == 1
+
+
+def test_tune_refuses_write_with_url(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        tune.main(["--url", "http://x", "--write"])
+    assert "--write" in capsys.readouterr().err

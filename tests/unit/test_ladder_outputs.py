@@ -1,0 +1,86 @@
+"""Ladder outputs: JSON, CSV and PNG agree; tune's YAML write-back changes one value only."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import report
+from bench.stats import LevelInput, LevelSummary, ReplicaMemory, RequestResult, summarize
+from bench.yaml_edit import YamlEditError, set_max_concurrency
+from common.config import load_config
+
+
+def level(concurrency: int, oks: int, rejected: int) -> LevelSummary:
+    results = [
+        RequestResult(
+            status=200, ok=True, ttft_s=0.1, latency_s=0.2, output_tokens=4, streamed=True
+        )
+        for _ in range(oks)
+    ] + [RequestResult(status=429) for _ in range(rejected)]
+    memory = {"gpu0": ReplicaMemory(peak_used_mb=100.0 * concurrency, total_mb=1000.0, samples=3)}
+    return summarize(LevelInput(concurrency, results, duration_s=1.0, memory=memory))
+
+
+def test_json_csv_png_agree(tmp_path: Path) -> None:
+    levels = [level(1, 5, 0), level(2, 8, 0), level(4, 8, 3)]
+    report.write_json(tmp_path / "results.json", {"url": "http://x"}, levels)
+    report.write_csv(tmp_path / "results.csv", levels)
+    report.write_png(tmp_path / "ladder.png", levels)
+    data = json.loads((tmp_path / "results.json").read_text())
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert [lv["concurrency"] for lv in data["levels"]] == [1, 2, 4]
+    assert [int(r["concurrency"]) for r in rows] == [1, 2, 4]
+    for lv, row in zip(data["levels"], rows, strict=True):
+        for key in ("requests", "ok", "rejected", "failed"):
+            assert int(row[key]) == lv[key]
+    assert rows[2]["rejected"] == "3"
+    assert float(rows[1]["peak_memory_mb[gpu0]"]) == 200.0
+    assert (tmp_path / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = report.markdown_table(levels)
+    assert md.count("\n") == 2 + len(levels)
+
+
+CONFIG = """\
+# Tuned by measurement.
+model:
+  source: simulated:decode_ms=5   # no torch
+  max_new_tokens: 64
+
+replicas:
+  devices: [cpu, cpu]
+  # the semaphore
+  max_concurrency: 1    # start at 1
+  max_queue: 8
+"""
+
+
+def test_write_back_changes_only_the_value(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(CONFIG)
+    assert set_max_concurrency(f, 6) == "1"
+    after = f.read_text()
+    changed = [
+        (a, b) for a, b in zip(CONFIG.splitlines(), after.splitlines(), strict=True) if a != b
+    ]
+    assert changed == [
+        ("  max_concurrency: 1    # start at 1", "  max_concurrency: 6    # start at 1")
+    ]
+    assert load_config(f).replicas.max_concurrency == 6
+
+
+def test_write_back_adds_a_missing_key_keeping_comments(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(CONFIG.replace("  max_concurrency: 1    # start at 1\n", ""))
+    set_max_concurrency(f, 3)
+    text = f.read_text()
+    assert "# Tuned by measurement." in text and "# no torch" in text
+    assert load_config(f).replicas.max_concurrency == 3
+    with pytest.raises(YamlEditError):
+        set_max_concurrency(f, 0)
+    f.write_text("- a list\n")
+    with pytest.raises(YamlEditError, match="not a mapping"):
+        set_max_concurrency(f, 2)
