@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, fields
 
 from common.gpu import FakeGpuProbe
@@ -222,10 +222,10 @@ class SimulatedEngine:
     def _step_s(self) -> float:
         return self.options.decode_ms * max(1.0, self.active / self.options.knee) / 1000.0
 
-    def stream(self, prompt: str, params: GenerationParams) -> AsyncIterator[Event]:
+    def stream(self, prompt: str, params: GenerationParams) -> AsyncGenerator[Event, None]:
         return self._generate(prompt, params)
 
-    async def _generate(self, prompt: str, params: GenerationParams) -> AsyncIterator[Event]:
+    async def _generate(self, prompt: str, params: GenerationParams) -> AsyncGenerator[Event, None]:
         prompt_tokens = self.count_tokens(prompt)
         digest = hashlib.blake2b(f"{params.seed}|{prompt}".encode(), digest_size=8).digest()
         rng = random.Random(int.from_bytes(digest, "big"))
