@@ -1,0 +1,82 @@
+"""Stand-in replicas the real one cannot play, run as processes:
+
+``python -m tests.integration.router_fakes --port P --mode MODE``
+
+- ``error500``: /health is a healthy gpupool report, every other route answers 500
+  (a replica broken in a way only real requests reveal).
+- ``foreign``: /health is an empty 200 (as vLLM's), /v1/completions answers a fixed completion.
+
+``GET /count`` says how many proxied requests arrived.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+
+def build(mode: str) -> Starlette:
+    count = {"n": 0}
+
+    async def health(request: Request) -> Response:
+        if mode == "foreign":
+            return Response(b"", status_code=200)
+        return JSONResponse(
+            {
+                "ready": True,
+                "device": "cpu",
+                "model": "broken",
+                "in_flight": 0,
+                "queued": 0,
+                "max_concurrency": 4,
+                "max_queue": 4,
+            }
+        )
+
+    async def work(request: Request) -> Response:
+        count["n"] += 1
+        await request.body()
+        if mode == "error500":
+            return JSONResponse(
+                {"error": {"message": "boom", "type": "server_error"}}, status_code=500
+            )
+        return JSONResponse(
+            {
+                "id": "cmpl-foreign",
+                "object": "text_completion",
+                "created": 0,
+                "model": "foreign",
+                "choices": [{"index": 0, "text": "foreign", "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        )
+
+    async def counter(request: Request) -> Response:
+        return JSONResponse(count)
+
+    return Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/count", counter),
+            Route("/v1/completions", work, methods=["POST"]),
+            Route("/v1/chat/completions", work, methods=["POST"]),
+            Route("/generate", work, methods=["POST"]),
+        ]
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--mode", choices=["error500", "foreign"], required=True)
+    args = p.parse_args()
+    uvicorn.run(build(args.mode), host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
