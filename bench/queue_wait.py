@@ -3,12 +3,13 @@
 A replica exports ``gpupool_replica_queue_wait_seconds`` (time admitted requests waited for a
 slot). Reading it before and after a level gives that level's count and exact mean; percentiles
 are estimated inside the histogram buckets as Prometheus' ``histogram_quantile`` does (linear
-within a bucket), so they are only as fine as the buckets. Through a router (whose /metrics does
-not carry the histogram) queue wait is reported as not available.
+within a bucket), so they are only as fine as the buckets. Behind a router each replica's own
+/metrics is read and the deltas pooled; where none can be read queue wait is "not available".
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass
 
@@ -25,6 +26,16 @@ class Histogram:
     buckets: tuple[tuple[float, float], ...]  # (upper bound, cumulative count), ascending
     sum: float
     count: float
+
+    def plus(self, other: Histogram) -> Histogram:
+        theirs = dict(other.buckets)
+        bounds = sorted({le for le, _ in self.buckets} | set(theirs))
+        mine = dict(self.buckets)
+        return Histogram(
+            buckets=tuple((le, mine.get(le, 0.0) + theirs.get(le, 0.0)) for le in bounds),
+            sum=self.sum + other.sum,
+            count=self.count + other.count,
+        )
 
     def minus(self, before: Histogram) -> Histogram:
         earlier = dict(before.buckets)
@@ -98,7 +109,7 @@ def percentiles(h: Histogram) -> Percentiles | None:
 async def read(
     client: httpx.AsyncClient, base_url: str, headers: dict[str, str] | None = None
 ) -> Histogram | None:
-    """The server's queue-wait histogram now, or None (no /metrics, or not a replica's)."""
+    """One replica's queue-wait histogram now, or None (no /metrics, or not a replica's)."""
     try:
         r = await client.get(base_url.rstrip("/") + "/metrics", timeout=5.0, headers=headers)
     except httpx.HTTPError:
@@ -106,3 +117,25 @@ async def read(
     if r.status_code != 200:
         return None
     return parse(r.text)
+
+
+async def read_all(
+    client: httpx.AsyncClient, urls: dict[str, str], headers: dict[str, str] | None = None
+) -> dict[str, Histogram]:
+    """The histograms of every replica that has one, by name."""
+    names = list(urls)
+    found = await asyncio.gather(*(read(client, urls[n], headers) for n in names))
+    return {n: h for n, h in zip(names, found, strict=True) if h is not None}
+
+
+def level_percentiles(
+    before: dict[str, Histogram], after: dict[str, Histogram]
+) -> Percentiles | None:
+    """Queue wait over a level, pooled over the replicas read at both ends."""
+    deltas = [after[n].minus(before[n]) for n in after if n in before]
+    if not deltas:
+        return None
+    pooled = deltas[0]
+    for d in deltas[1:]:
+        pooled = pooled.plus(d)
+    return percentiles(pooled)

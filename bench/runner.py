@@ -19,7 +19,7 @@ import httpx
 
 from bench import queue_wait
 from bench.client import Clock, RequestSpec, send
-from bench.memory import MemorySampler
+from bench.memory import MemorySampler, discover
 from bench.stats import LevelInput, LevelSummary, RequestResult, Slo, summarize
 from bench.workload import Prompt
 
@@ -77,7 +77,9 @@ async def run_level(
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     results: list[RequestResult] = []
     started = 0
-    waits_before = await queue_wait.read(client, plan.spec.base_url, plan.spec.headers())
+    headers = plan.spec.headers()
+    target = await discover(client, plan.spec.base_url, headers)
+    waits_before = await queue_wait.read_all(client, target.replicas, headers)
     start = clock()
     stop_at = start + min(plan.duration_s or plan.max_level_s, plan.max_level_s)
     cut = False
@@ -95,9 +97,7 @@ async def run_level(
             if result.rejected and plan.reject_pause_s > 0:
                 await asyncio.sleep(plan.reject_pause_s)
 
-    sampler = MemorySampler(
-        client, plan.spec.base_url, interval_s=plan.sample_interval_s, headers=plan.spec.headers()
-    )
+    sampler = MemorySampler(client, target, interval_s=plan.sample_interval_s, headers=headers)
     stop = asyncio.Event()
     sampling = asyncio.create_task(sampler.run(stop))
     loops = [asyncio.create_task(client_loop()) for _ in range(concurrency)]
@@ -120,10 +120,8 @@ async def run_level(
             await asyncio.wait_for(sampling, timeout=5.0)
         except TimeoutError:
             sampling.cancel()
-    waits_after = await queue_wait.read(client, plan.spec.base_url, plan.spec.headers())
-    waits = None
-    if waits_before is not None and waits_after is not None:
-        waits = queue_wait.percentiles(waits_after.minus(waits_before))
+    waits_after = await queue_wait.read_all(client, target.replicas, headers)
+    waits = queue_wait.level_percentiles(waits_before, waits_after)
     if plan.requests is not None and started < plan.requests:
         cut = True  # the hard time cap ended the level before its budget was spent
     return summarize(

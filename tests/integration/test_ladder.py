@@ -11,10 +11,13 @@ import csv
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from tests.support import REPO, replica_process
+import httpx
+
+from tests.support import REPO, replica_process, router_process
 
 SIMULATED = "simulated:decode_ms=4,prefill_ms=0"
 
@@ -99,3 +102,33 @@ def test_duration_mode_runs_until_the_time_is_up(tmp_path: Path) -> None:
     assert level["requests"] == level["ok"] + level["rejected"]
     # Clients keep sending until the time is up, so the last answer comes after it.
     assert level["duration_s"] >= 0.5 and not level["stopped_early"]
+
+
+def test_through_a_router_memory_and_queue_wait_come_per_replica(tmp_path: Path) -> None:
+    with (
+        replica_process("--model", SIMULATED, "--max-concurrency", "2", ready_timeout_s=60) as a,
+        replica_process("--model", SIMULATED, "--max-concurrency", "2", ready_timeout_s=60) as b,
+        router_process("--replica", a.url, "--replica", b.url, ready_timeout_s=60) as router,
+    ):
+        wait_until_ready(router.url, replicas=2)
+        done = run_ladder(
+            "--url", router.url, "--levels", "1,4", "--requests-per-level", "16",
+            "--max-tokens", "6", "--out", str(tmp_path),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    for level in by_level(tmp_path).values():
+        assert level["ok"] == level["requests"] == 16
+        assert len(level["memory"]) == 2  # one entry per replica, not the router
+        assert all(m["peak_used_mb"] >= 500 for m in level["memory"].values())
+        assert level["queue_wait_source"] == "metrics"
+        assert level["queue_wait_ms"]["count"] == 16
+
+
+def wait_until_ready(url: str, replicas: int) -> None:
+    """Bounded: the router sees every replica ready within 20 s, or the test fails."""
+    for _ in range(200):
+        body = httpx.get(url + "/health", timeout=2.0).json()
+        if body.get("ready_replicas") == replicas:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"router never saw {replicas} ready replicas: {body}")
