@@ -69,6 +69,7 @@ class Launcher:
     env: Mapping[str, str]
     state_file: Path
     log_dir: Path
+    config_file: Path | None = None  # the resolved YAML the children read; removed at the end
     clock: Callable[[], float] = time.monotonic
     grace_s: float = 10.0
     stop: threading.Event = field(default_factory=threading.Event)
@@ -331,13 +332,17 @@ class Launcher:
             t.state = "stopped"
         self.http.close()
         self.state_file.unlink(missing_ok=True)
+        if self.config_file is not None:
+            self.config_file.unlink(missing_ok=True)
 
     def run(self) -> int:
         try:
             problem = self.start()
+            if problem is not None and self.stop.is_set():
+                return 0  # asked to stop while starting: not an error
             if problem is not None:
                 self._say(f"error: {problem}", "bold red")
-                return 0 if self.stop.is_set() else 1
+                return 1
             self.summary()
             code = self.supervise()
             if code != 0:
@@ -406,6 +411,7 @@ def run_up(config_arg: str | None, console: Console, env: Mapping[str, str] | No
         env=child_env({}, env),
         state_file=state_path(env, port),
         log_dir=run_dir / f"logs-{port}",
+        config_file=resolved,
     )
     previous = _install_signals(launcher)
     try:

@@ -164,6 +164,32 @@ def test_simulated_fleet_serves_restarts_a_killed_replica_and_drains_on_sigterm(
             "the router to see both replicas ready",
         )
 
+        # A second `up` on the same ports is refused and disturbs nothing.
+        second = subprocess.run(
+            [sys.executable, "-m", "deploy", "up", str(config)],
+            cwd=REPO,
+            env=up.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert second.returncode == 2
+        assert "already running on router port" in second.stdout
+        assert generate(up.url) == 200
+
+        # The router is restarted too when it dies.
+        router = up.child("router")["pid"]
+        os.kill(router, signal.SIGKILL)
+        wait_until(
+            lambda: (
+                up.child("router")["pid"] not in (None, router)
+                and up.child("router")["state"] == "ready"
+            ),
+            60,
+            "the router restarted and ready",
+        )
+        assert generate(up.url) == 200
+
         # SIGTERM while requests run: every one is answered, then nothing is left.
         children = up.pids()
         results: list[int] = []
