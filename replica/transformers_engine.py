@@ -207,6 +207,11 @@ class TransformersEngine:
         sample = _sampler(params, self.device)
         stops = StopMatcher(params.stop)
         text = _IncrementalText(self._decode)
+        suppress = (
+            torch.tensor(self.suppress_token_ids, dtype=torch.long, device=self.device)
+            if self.suppress_token_ids
+            else None
+        )
         generated = 0
         finish: str = "length"
         with torch.inference_mode():
@@ -216,8 +221,8 @@ class TransformersEngine:
                 out = model(input_ids=input_ids, use_cache=True, **self._forward_kwargs(past))
                 past = out.get("cache", None) or out.get("past_key_values", None)
                 logits = out.logits[0, -1, :].float()
-                if self.suppress_token_ids:
-                    logits[list(self.suppress_token_ids)] = float("-inf")
+                if suppress is not None:
+                    logits[suppress] = float("-inf")
                 token = sample(logits)
                 if token in self.eos_token_ids:
                     finish = "stop"
@@ -286,7 +291,9 @@ def _sampler(params: GenerationParams, device: str) -> Callable[[torch.Tensor], 
         if params.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-            sorted_probs[before >= params.top_p] = 0.0  # keep the smallest set reaching top_p
+            drop = before >= params.top_p  # keep the smallest set reaching top_p...
+            drop[0] = False  # ...and always the most likely token (top_p <= 0 means greedy)
+            sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=gen).item())
 

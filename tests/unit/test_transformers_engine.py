@@ -60,6 +60,12 @@ async def test_same_seed_same_sample(engine: TransformersEngine) -> None:
     assert text_of(a) != text_of(c)
 
 
+async def test_tiny_top_p_is_greedy(engine: TransformersEngine) -> None:
+    greedy = await collect(engine, PROMPT, max_tokens=10, temperature=0.0)
+    nucleus = await collect(engine, PROMPT, max_tokens=10, temperature=1.0, top_p=1e-9, seed=1)
+    assert text_of(nucleus) == text_of(greedy)
+
+
 async def test_stop_sequence_cuts_the_text_and_is_never_emitted(
     engine: TransformersEngine,
 ) -> None:
