@@ -1,4 +1,4 @@
-"""The launcher's supervision with stand-in children (tiny HTTP servers): restart, give up, abort."""
+"""Launcher supervision with stand-in children (tiny HTTP servers): restart, give up, abort."""
 
 from __future__ import annotations
 
