@@ -92,9 +92,10 @@ def build_settings(args: argparse.Namespace) -> RouterSettings:
     for entry in args.replica:
         name, sep, url = entry.partition("=")
         if not sep or "://" in name:
-            name, url = entry.split("://", 1)[1].rstrip("/"), entry
+            name, url = "", entry
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"--replica {entry!r}: the URL must start with http:// or https://")
+        name = name or url.split("://", 1)[1].rstrip("/")
         specs.append(
             ReplicaSpec(
                 name=name,
