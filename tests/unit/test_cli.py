@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support import REPO, free_port
 
 
@@ -94,3 +96,17 @@ def test_status_without_a_router_is_a_clear_error(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert f"cannot reach the router at http://127.0.0.1:{port}" in out.stdout
     assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_devices_all_without_a_gpu_is_refused_clearly(tmp_path: Path) -> None:
+    from common.gpu import list_gpus
+
+    if list_gpus():
+        pytest.skip("this machine has a GPU")
+    config = tmp_path / "up.yaml"
+    config.write_text(
+        f"replicas: {{devices: all, port_base: {free_port()}}}\nrouter: {{port: {free_port()}}}\n"
+    )
+    out = gpupool("up", str(config), state_dir=tmp_path)
+    assert out.returncode == 2
+    assert 'replicas.devices: "all" but no GPU was found' in out.stdout

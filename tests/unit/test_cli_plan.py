@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from deploy.plan import (
     resolve_devices,
     room_problems,
 )
+from deploy.preflight import PreflightError, Runner, check_gpu_room
 
 GIB = 1024 * MIB
 
@@ -122,3 +125,39 @@ def test_room_check_names_each_gpu_without_space_for_weights_plus_headroom() -> 
 
 def test_room_check_only_looks_at_the_gpus_in_use() -> None:
     assert room_problems([gpu(0, 0.1), gpu(1, 50)], [1], weights_bytes=GIB, headroom_mb=0) == []
+
+
+def _runner(stdout: str, returncode: int = 0) -> tuple[list[list[str]], Runner]:
+    calls: list[list[str]] = []
+
+    def run(argv: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+        calls.append(list(argv))
+        return subprocess.CompletedProcess(list(argv), returncode, stdout, "")
+
+    return calls, run
+
+
+def test_gpu_room_check_asks_for_the_estimate_at_the_configured_dtype_and_refuses() -> None:
+    cfg = parse_config(
+        {"model": {"dtype": "float16"}, "replicas": {"devices": [0, 1], "headroom_mb": 1024}}
+    )
+    calls, run = _runner(f"{3 * GIB}\n")
+    with pytest.raises(PreflightError, match=r"not enough GPU memory:\n  GPU 1 \(H100\)"):
+        check_gpu_room(cfg, [gpu(0, 40), gpu(1, 3.5)], "py", run)
+    assert calls == [["py", "-m", "replica.models", "estimate", "builtin:smollm2-135m",
+                      "--dtype", "float16"]]  # fmt: skip
+    check_gpu_room(cfg, [gpu(0, 40), gpu(1, 4.0)], "py", run)  # exactly enough: accepted
+
+
+def test_cpu_and_simulated_deployments_skip_the_gpu_room_check() -> None:
+    calls, run = _runner("not a number")
+    check_gpu_room(parse_config({"replicas": {"devices": ["cpu"]}}), [], "py", run)
+    simulated = parse_config({"model": {"source": "simulated"}, "replicas": {"devices": [0]}})
+    check_gpu_room(simulated, [gpu(0, 0.1)], "py", run)
+    assert calls == []
+
+
+def test_an_estimate_that_fails_is_a_clear_error() -> None:
+    _, run = _runner("", returncode=2)
+    with pytest.raises(PreflightError, match="cannot estimate its size"):
+        check_gpu_room(parse_config({"replicas": {"devices": [0]}}), [gpu(0, 40)], "py", run)
