@@ -50,7 +50,7 @@ def add_load_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="requests per level (default 32 unless --duration-s is given)",
+        help="requests per level (ladder: 32; tune: 4 per client, at least 8)",
     )
     p.add_argument(
         "--duration-s",
@@ -78,7 +78,7 @@ def add_load_options(p: argparse.ArgumentParser) -> None:
         "--prompt-tokens",
         default="128",
         metavar="N|LOW:HIGH",
-        help="generated prompt length in tokens: a mean or a uniform range (default 128)",
+        help="generated prompt tokens: N (each about N) or LOW:HIGH (uniform); default 128",
     )
     p.add_argument(
         "--max-tokens", type=int, default=64, help="output tokens per request (default 64)"
@@ -111,7 +111,11 @@ def add_load_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpupool ladder", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="gpupool ladder",
+        description="Stepped load test of a replica or a router: one closed-loop level per "
+        "concurrency; results.json, results.csv and ladder.png in --out.",
+    )
     p.add_argument("--url", required=True, help="a replica or router, e.g. http://127.0.0.1:8000")
     p.add_argument(
         "--levels", default=DEFAULT_LEVELS, help=f"concurrency levels (default {DEFAULT_LEVELS})"

@@ -124,7 +124,7 @@ def table(levels: Sequence[LevelSummary], title: str = "ladder") -> Table:
     t = Table(title=title)
     for header in (
         "conc", "ok", "429", "failed", "req/s", "tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-        "E2E p50/p99 ms", "queue mean/p99 ms", "goodput", "peak MiB",
+        "E2E p50/p99 ms", "queue mean ms", "goodput", "peak MiB",
     ):  # fmt: skip
         t.add_column(header, justify="right")
     for lv in levels:

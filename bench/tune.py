@@ -82,7 +82,11 @@ def steps_up_to(limit: int) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpupool tune", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="gpupool tune",
+        description="Find the largest safe replicas.max_concurrency under a load and an SLO "
+        "(one fresh replica per step); --write puts it into the YAML.",
+    )
     p.add_argument("config", nargs="?", type=Path, help="deployment YAML (optional with --url)")
     p.add_argument("--replica", default=None, help="which replica of the config (default: first)")
     p.add_argument(
