@@ -247,8 +247,9 @@ async def _watch(request: Request, state: ReplicaState, task: asyncio.Future[T])
                 await asyncio.wait({task})
                 raise ClientDisconnected("the client closed the connection")
     finally:
-        if not task.done():
+        if not task.done():  # we were cancelled: stop the work and let it clean up first
             task.cancel()
+            await asyncio.wait({task})
 
 
 async def _admit(request: Request, state: ReplicaState) -> Slot:
