@@ -31,7 +31,7 @@ from rich.text import Text
 
 from common.config import ConfigError, DeploymentConfig, load_config
 from common.gpu import list_gpus, nvml_error
-from deploy import preflight
+from deploy import display, preflight
 from deploy.plan import (
     ChildSpec,
     RestartPolicy,
@@ -153,15 +153,8 @@ class Launcher:
     # -- start-up ----------------------------------------------------------------------------
 
     def _table(self, names: list[str], began: float) -> Table:
-        table = Table(title="starting gpupool", title_justify="left")
-        for column in ("name", "device", "url", "state"):
-            table.add_column(column)
-        waited = self.clock() - began
-        for name in names:
-            t = self.tracked[name]
-            state = "ready" if t.state == "ready" else f"loading ({waited:.0f}s)"
-            table.add_row(name, t.spec.device, t.spec.url, state)
-        return table
+        rows = [(n, self.tracked[n].spec, self.tracked[n].state == "ready") for n in names]
+        return display.loading_table(rows, self.clock() - began)
 
     def _wait_ready(self, names: list[str], timeout_s: float) -> str | None:
         """Wait until every named child is ready; the problem, or None on success."""
@@ -208,38 +201,9 @@ class Launcher:
         return self._wait_ready(["router"], ROUTER_READY_TIMEOUT_S)
 
     def summary(self) -> None:
-        r, m = self.cfg.replicas, self.cfg.model
-        router = self.tracked["router"].spec
-        table = Table(title=f"gpupool is up: {router.url}", title_justify="left")
-        for column in ("replica", "device", "url"):
-            table.add_column(column)
-        for t in self.tracked.values():
-            if t.spec.kind == "replica":
-                table.add_row(t.spec.name, t.spec.device, t.spec.url)
-        for name, url in self.cfg.remote_endpoints():
-            table.add_row(name, "remote", url)
+        specs = [t.spec for t in self.tracked.values()]
         with self._print_lock:
-            self.console.print(table)
-            self.console.print(
-                f"model {m.source} (dtype {m.dtype}); per replica: max_concurrency "
-                f"{r.max_concurrency}, max_queue {r.max_queue}, queue_timeout_s "
-                f"{r.queue_timeout_s:g}, request_timeout_s {r.request_timeout_s:g}; "
-                f"max_input_tokens {m.max_input_tokens}, max_new_tokens {m.max_new_tokens}",
-                soft_wrap=True,
-                highlight=False,
-            )
-            self.console.print(
-                f"try: curl {router.url}/v1/completions -H 'content-type: application/json' "
-                """-d '{"prompt": "Hello", "max_tokens": 16}'""",
-                soft_wrap=True,
-                highlight=False,
-                markup=False,
-            )
-            self.console.print(
-                f"logs in {self.log_dir}; `gpupool status --url {router.url}`; Ctrl-C to stop",
-                soft_wrap=True,
-                highlight=False,
-            )
+            display.print_summary(self.console, self.cfg, specs, self.log_dir)
 
     # -- supervision -------------------------------------------------------------------------
 
@@ -401,6 +365,9 @@ def run_up(config_arg: str | None, console: Console, env: Mapping[str, str] | No
     except (ConfigError, preflight.PreflightError) as exc:
         console.print(Text(f"error: {exc}", style="bold red"), soft_wrap=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while checking or preparing: nothing was started
+        console.print("interrupted; nothing was started")
+        return 130
     # Children read the resolved file: `devices: all` already replaced by GPU indices.
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

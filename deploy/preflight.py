@@ -7,6 +7,7 @@ Each check raises ``PreflightError`` with a message for a person.
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
@@ -14,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from common.config import DeploymentConfig
 from common.gpu import GpuInfo
 from deploy.plan import ChildSpec, is_simulated, room_problems
+from deploy.procs import die_with_parent
 
 
 class PreflightError(RuntimeError):
@@ -52,10 +54,15 @@ Runner = Callable[[Sequence[str], float], "subprocess.CompletedProcess[str]"]
 
 
 def run_tool(argv: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """Run a short helper command, output captured, bounded in time."""
+    """Run a helper command, output captured, bounded in time, killed if we die."""
     try:
         return subprocess.run(
-            list(argv), capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
+            list(argv),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(os.getpid()),
         )
     except subprocess.TimeoutExpired as exc:
         raise PreflightError(f"`{' '.join(argv)}` did not finish in {timeout_s:.0f}s") from exc

@@ -32,7 +32,7 @@ except OSError:  # not Linux: no death signal, process groups still apply
     _libc = None
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
     def hook() -> None:
         if _libc is not None:
             _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -99,7 +99,7 @@ def spawn(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         process_group=0,
-        preexec_fn=_die_with_parent(os.getpid()),
+        preexec_fn=die_with_parent(os.getpid()),
     )
     assert popen.stdout is not None
     reader = threading.Thread(
