@@ -53,6 +53,21 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
+def processes_mentioning(text: str) -> list[int]:
+    """Live pids whose command line contains ``text``: a scan of /proc, no psutil."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
 def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -212,6 +227,8 @@ def test_simulated_fleet_serves_restarts_a_killed_replica_and_drains_on_sigterm(
         assert results == [200] * 6
         assert up.popen.wait(60) == 0
         wait_until(lambda: not any(alive(p) for p in children), 10, "no child left")
+        # Nothing at all runs from this deployment's files any more (children, grandchildren).
+        assert processes_mentioning(str(up.state_dir)) == []
         assert not list(up.state_dir.glob("up-*.json"))
 
 
@@ -229,6 +246,8 @@ def test_tiny_model_fleet_answers_and_kill_9_of_the_launcher_leaves_no_child(
         assert r.json()["choices"][0]["message"]["role"] == "assistant"
         children = up.pids()
         assert len(children) == 2  # one replica, the router
+        assert sorted(processes_mentioning(str(up.state_dir))) == sorted(children)
         up.popen.kill()
         up.popen.wait(10)
         wait_until(lambda: not any(alive(p) for p in children), 15, "no orphan after kill -9")
+        assert processes_mentioning(str(up.state_dir)) == []
