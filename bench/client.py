@@ -90,8 +90,8 @@ async def _send_plain(
         ok=True,
         ttft_s=latency,  # nothing reaches the client before the whole answer
         latency_s=latency,
-        output_tokens=int(usage.get("completion_tokens") or 0),
-        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        output_tokens=_count(usage, "completion_tokens", 0),
+        prompt_tokens=_count(usage, "prompt_tokens", 0),
         queue_wait_s=_queue_wait(response.headers),
     )
 
@@ -126,7 +126,7 @@ async def _send_stream(
                 # The answer began and then failed (a 502 in the router's terms).
                 oom = is_oom_message(_message(event) or "")
                 return RequestResult(status=None, error="stream_error", oom=oom)
-            if event.get("usage"):
+            if isinstance(event.get("usage"), dict):
                 usage = event["usage"]
             if _has_text(event):
                 now = clock()
@@ -143,10 +143,18 @@ async def _send_stream(
         ttft_s=ttft if ttft is not None else latency,
         latency_s=latency,
         itl_s=tuple(gaps),
-        output_tokens=int(usage.get("completion_tokens") or chunks),
-        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        output_tokens=_count(usage, "completion_tokens", chunks),
+        prompt_tokens=_count(usage, "prompt_tokens", 0),
         queue_wait_s=queue_wait,
         streamed=True,
+    )
+
+
+def _count(usage: Any, key: str, default: int) -> int:
+    """A token count from a usage object; ``default`` when it is absent or not a number."""
+    value = usage.get(key) if isinstance(usage, dict) else None
+    return (
+        value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
     )
 
 

@@ -1,6 +1,6 @@
 """`python -m bench.ladder` against a real replica running the simulated engine.
 
-The replica admits 4 requests at once and queues 4 more; each request is ~10 tokens of 4 ms.
+The replica admits 4 requests at once and queues 4 more; each request is 12 tokens of 5 ms.
 So throughput must rise from 1 to 4 clients, then stay flat at 16 while 429s and latency grow.
 Assertions are on ratios and order with wide margins, never on absolute times.
 """
@@ -19,7 +19,7 @@ import httpx
 
 from tests.support import REPO, replica_process, router_process
 
-SIMULATED = "simulated:decode_ms=4,prefill_ms=0"
+SIMULATED = "simulated:decode_ms=5,prefill_ms=0"
 
 
 def run_ladder(*args: str) -> subprocess.CompletedProcess[str]:
@@ -42,27 +42,28 @@ def test_throughput_flattens_at_capacity_while_rejections_and_latency_grow(tmp_p
         "--model", SIMULATED, "--max-concurrency", "4", "--max-queue", "4", ready_timeout_s=60
     ) as replica:
         done = run_ladder(
-            "--url", replica.url, "--levels", "1,4,16", "--requests-per-level", "32",
-            "--max-tokens", "10", "--prompt-tokens", "16", "--stream",
+            "--url", replica.url, "--levels", "1,4,16", "--requests-per-level", "48",
+            "--max-tokens", "12", "--prompt-tokens", "16", "--stream",
             "--slo-e2e-ms", "10000", "--out", str(tmp_path),
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
     levels = by_level(tmp_path)
     one, four, sixteen = levels[1], levels[4], levels[16]
+    figures = {c: (lv["request_rate"], lv["rejected"], lv["e2e_ms"]) for c, lv in levels.items()}
     # Rises until capacity (4 slots), then flattens.
-    assert four["request_rate"] > 1.5 * one["request_rate"]
-    assert sixteen["request_rate"] < 1.5 * four["request_rate"]
+    assert four["request_rate"] > 1.5 * one["request_rate"], figures
+    assert sixteen["request_rate"] < 1.5 * four["request_rate"], figures
     # Rejections only past concurrency + queue (4 + 4 < 16).
-    assert one["rejected"] == 0 and four["rejected"] == 0
-    assert sixteen["rejected"] > 0
-    assert all(lv["failed"] == 0 for lv in levels.values())
+    assert one["rejected"] == 0 and four["rejected"] == 0, figures
+    assert sixteen["rejected"] > 0, figures
+    assert all(lv["failed"] == 0 for lv in levels.values()), levels
     # Waiting in the queue shows in latency and in the replica's own queue-wait histogram.
-    assert sixteen["e2e_ms"]["p90"] > four["e2e_ms"]["p50"]
+    assert sixteen["e2e_ms"]["p90"] > four["e2e_ms"]["p50"], figures
     assert sixteen["queue_wait_ms"]["mean"] > four["queue_wait_ms"]["mean"]
     assert sixteen["queue_wait_source"] == "metrics"
-    # Token timing: 10 tokens per answer, 9 gaps each; generous SLO met by every admitted one.
-    assert four["mean_output_tokens"] == 10
-    assert four["itl_ms"]["count"] == 9 * four["ok"]
+    # Token timing: 12 tokens per answer, 11 gaps each; generous SLO met by every admitted one.
+    assert four["mean_output_tokens"] == 12
+    assert four["itl_ms"]["count"] == 11 * four["ok"]
     assert four["goodput"] == 1.0 and sixteen["goodput"] < 1.0
     # Memory sampled from /health: the simulated weights (500 MiB) at least.
     assert all(lv["memory"]["replica"]["peak_used_mb"] >= 500 for lv in levels.values())
@@ -102,6 +103,19 @@ def test_duration_mode_runs_until_the_time_is_up(tmp_path: Path) -> None:
     assert level["requests"] == level["ok"] + level["rejected"]
     # Clients keep sending until the time is up, so the last answer comes after it.
     assert level["duration_s"] >= 0.5 and not level["stopped_early"]
+
+
+def test_the_hard_cap_ends_a_level_before_its_request_count(tmp_path: Path) -> None:
+    with replica_process("--model", SIMULATED, "--max-concurrency", "1", ready_timeout_s=60) as r:
+        # 1000 requests of 10 x 5 ms would need 50 s; the cap ends the level after 0.3 s.
+        done = run_ladder(
+            "--url", r.url, "--levels", "1", "--requests-per-level", "1000",
+            "--max-level-s", "0.3", "--max-tokens", "10", "--out", str(tmp_path),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    level = by_level(tmp_path)[1]
+    assert level["stopped_early"]
+    assert 1 <= level["requests"] < 1000 and level["failed"] == 0
 
 
 def test_through_a_router_memory_and_queue_wait_come_per_replica(tmp_path: Path) -> None:
