@@ -65,7 +65,6 @@ class ReplicaState:
     status: Literal["loading", "ready", "failed"] = "loading"
     error: str | None = None
     load_exception: BaseException | None = None
-    disconnect_poll_s: float = 0.1
 
     def health(self) -> HealthReport:
         draining = self.gate.draining
@@ -235,18 +234,29 @@ def _chat_messages(messages: list[MessageIn]) -> list[ChatMessage]:
 # --- admission, deadline, disconnects --------------------------------------------------------
 
 
-async def _watch(request: Request, state: ReplicaState, task: asyncio.Future[T]) -> T:
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so the server's next
+    message is ``http.disconnect``; uvicorn sends it as soon as the socket closes)."""
+    for _ in range(1000):  # anything else (never expected) is skipped, a bounded number of times
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+    await asyncio.Event().wait()  # give up watching; cancelled when the work ends
+
+
+async def _watch(request: Request, task: asyncio.Future[T]) -> T:
     """Await ``task``; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    gone = asyncio.ensure_future(_client_gone(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=state.disconnect_poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                await asyncio.wait({task})
-                raise ClientDisconnected("the client closed the connection")
+        both: set[asyncio.Future[Any]] = {task, gone}
+        done, _ = await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.wait({task})
+        raise ClientDisconnected("the client closed the connection")
     finally:
+        gone.cancel()
         if not task.done():  # we were cancelled: stop the work and let it clean up first
             task.cancel()
             await asyncio.wait({task})
@@ -255,7 +265,7 @@ async def _watch(request: Request, state: ReplicaState, task: asyncio.Future[T])
 async def _admit(request: Request, state: ReplicaState) -> Slot:
     task = asyncio.ensure_future(state.gate.acquire())
     try:
-        slot = await _watch(request, state, task)
+        slot = await _watch(request, task)
     except BaseException as exc:
         if task.done() and not task.cancelled() and task.exception() is None:
             task.result().release()  # admitted just as we gave up
@@ -467,12 +477,12 @@ async def _execute(request: Request, state: ReplicaState, job: Job) -> Response:
     run = Run(request, state, job, slot)
     if not job.stream:
         try:
-            text, done = await _watch(request, state, asyncio.ensure_future(run.collect()))
+            text, done = await _watch(request, asyncio.ensure_future(run.collect()))
         finally:
             await run.close()
         return JSONResponse(_body(job, state.engine.model_id, text, done))
     try:
-        first = await _watch(request, state, asyncio.ensure_future(run.next()))
+        first = await _watch(request, asyncio.ensure_future(run.next()))
     except BaseException:
         await run.close()
         raise

@@ -17,11 +17,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.config import ReplicaSettings
 from common.gpu import GpuProbe, NoGpuProbe, NvmlProbe
-from common.protocol import REQUEST_ID_HEADER
+from common.protocol import REQUEST_ID_HEADER, ErrorBody
 from replica.api import ReplicaState, router
 from replica.engine import Engine
 from replica.errors import ModelLoadError, install_handlers
@@ -74,10 +75,12 @@ class RequestContext:
         info: dict[str, Any] = {"id": request_id, "arrival": start}
         scope.setdefault("state", {})["access"] = info
         status = 500
+        started = False
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
+                started = True
                 status = int(message["status"])
                 raw = list(message.get("headers", []))
                 raw.append((REQUEST_ID_HEADER.lower().encode(), request_id.encode("latin-1")))
@@ -86,6 +89,15 @@ class RequestContext:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            if started:
+                raise
+            # A bug: answer a 500 ErrorBody here, logged once with its traceback.
+            log.error("id=%s unhandled error on %s", request_id, scope.get("path"), exc_info=exc)
+            body = ErrorBody.make(
+                f"internal error: {type(exc).__name__}", "server_error", code="internal_error"
+            )
+            await JSONResponse(body.model_dump(), status_code=500)(scope, receive, send_with_id)
         finally:
             self._record(scope, info, status, self.state.clock() - start)
 

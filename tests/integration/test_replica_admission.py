@@ -248,3 +248,24 @@ async def test_client_sees_503_json_not_a_hang_when_queue_is_zero_and_busy() -> 
         await asyncio.wait_for(first, 5)
     assert second.status_code == 429
     assert isinstance(second.json()["error"]["message"], str)
+
+
+class BuggyEngine(BlockingEngine):
+    def count_tokens(self, text: str) -> int:
+        raise ZeroDivisionError("a bug")
+
+
+async def test_a_bug_is_a_500_error_body_and_the_replica_stays_up() -> None:
+    app, _ = blocking_app(BuggyEngine())
+    async with client_for(app) as client:
+        r = await client.post("/generate", json=GEN, headers={"X-Request-ID": "bug-1"})
+        health = await client.get("/health")
+    assert r.status_code == 500
+    assert r.json()["error"] == {
+        "message": "internal error: ZeroDivisionError",
+        "type": "server_error",
+        "param": None,
+        "code": "internal_error",
+    }
+    assert r.headers["x-request-id"] == "bug-1"
+    assert health.status_code == 200
