@@ -161,3 +161,16 @@ def test_an_estimate_that_fails_is_a_clear_error() -> None:
     _, run = _runner("", returncode=2)
     with pytest.raises(PreflightError, match="cannot estimate its size"):
         check_gpu_room(parse_config({"replicas": {"devices": [0]}}), [gpu(0, 40)], "py", run)
+
+
+def test_config_path_defaults_to_configs_local_yaml_here_then_to_the_shipped_one(
+    tmp_path: Path,
+) -> None:
+    from deploy.launcher import resolve_config_path
+
+    shipped = PROJECT_ROOT / "configs" / "local.yaml"
+    assert resolve_config_path(None, tmp_path) == shipped
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "local.yaml").write_text("{}\n")
+    assert resolve_config_path(None, tmp_path) == tmp_path / "configs" / "local.yaml"
+    assert resolve_config_path("x/../my.yaml", tmp_path) == tmp_path / "my.yaml"
