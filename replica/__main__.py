@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-input-tokens", type=int, help="longest prompt in tokens; beyond: 400")
     p.add_argument("--max-new-tokens", type=int, help="largest max_tokens a request may ask")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--name", help="replica name in logs and metrics")
+    p.add_argument("--name", help="replica name (shown in its logs)")
     p.add_argument("--config", help="deployment YAML to take the settings from")
     p.add_argument("--replica", help="which replica of --config (cpu0, gpu3, ...)")
     return p
