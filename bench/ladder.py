@@ -33,6 +33,14 @@ class UsageError(ValueError):
     """Arguments that cannot run; the message is for a person."""
 
 
+def base_url(url: str) -> str:
+    """The server's root: ``http://h:p``, also from ``http://h:p/`` or ``http://h:p/v1``."""
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"--url must start with http:// or https://, got {url!r}")
+    url = url.rstrip("/")
+    return url.removesuffix("/v1")
+
+
 def parse_levels(spec: str) -> list[int]:
     try:
         levels = [int(p) for p in spec.split(",") if p.strip()]
@@ -262,8 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(stderr=True)
     try:
-        if not args.url.startswith(("http://", "https://")):
-            raise UsageError(f"--url must start with http:// or https://, got {args.url!r}")
+        args.url = base_url(args.url)
         levels = parse_levels(args.levels)
         check_load_args(args)
         slo_from(args)

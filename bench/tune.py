@@ -30,6 +30,7 @@ from bench import report
 from bench.ladder import (
     UsageError,
     add_load_options,
+    base_url,
     check_load_args,
     check_reachable,
     plan_from,
@@ -173,7 +174,12 @@ async def _one_step(args: argparse.Namespace, url: str, concurrency: int) -> Lev
 
 def run_steps(
     args: argparse.Namespace, config: DeploymentConfig | None, console: Console
-) -> list[Step]:
+) -> tuple[list[Step], str | None]:
+    """The steps run, and why the search ended early if a replica would not start.
+
+    A replica that will not start at the FIRST step is an error (ReplicaStartError); at a later
+    step it ends the search, since an engine may reserve memory per slot at start-up.
+    """
     headroom = args.headroom_mb
     if headroom is None:
         headroom = config.replicas.headroom_mb if config is not None else 1024
@@ -192,13 +198,19 @@ def run_steps(
                 "--max-concurrency",
                 str(c),
             ]
-            with replica(replica_args, env=env, ready_timeout_s=args.ready_timeout_s) as proc:
-                summary = asyncio.run(_one_step(args, proc.url, c))
+            try:
+                with replica(replica_args, env=env, ready_timeout_s=args.ready_timeout_s) as p:
+                    summary = asyncio.run(_one_step(args, p.url, c))
+            except ReplicaStartError as exc:
+                if not steps:
+                    raise
+                console.print(f"[yellow]max_concurrency={c}:[/yellow] {exc}")
+                return steps, f"{c} failed: the replica did not start with max_concurrency={c}"
         problem, limit = judge(summary, headroom, args.min_goodput)
         steps.append(Step(c, summary, limit, problem))
         if problem is not None:
             break
-    return steps
+    return steps, None
 
 
 def _replica_choice(
@@ -223,6 +235,27 @@ def recommend(steps: Sequence[Step]) -> int | None:
     return max(passed) if passed else None
 
 
+def write_outputs(out: Path, steps: Sequence[Step], best: int | None, what: str) -> None:
+    """tune.json (the verdict and every step's summary), results.csv and ladder.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "recommended": best,
+        "steps": [
+            {
+                "concurrency": s.concurrency,
+                "problem": s.problem,
+                "limit_mb": s.limit_mb,
+                "summary": s.summary.model_dump(mode="json"),
+            }
+            for s in steps
+        ],
+    }
+    (out / "tune.json").write_text(json.dumps(record, indent=2) + "\n")
+    summaries = [s.summary for s in steps]
+    report.write_csv(out / "results.csv", summaries)
+    report.write_png(out / "ladder.png", summaries, title=f"tune: {what}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -231,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.config is None and args.url is None:
             raise UsageError("give a CONFIG to start replicas from, or --url of a running server")
+        if args.url:
+            args.url = base_url(args.url)
         if args.url and args.write:
             raise UsageError(
                 "--write needs replicas started from CONFIG (not --url): "
@@ -246,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, WorkloadError, ConfigError) as exc:
         parser.error(str(exc))
     try:
-        steps = run_steps(args, config, console)
+        steps, start_failure = run_steps(args, config, console)
     except (ReplicaStartError, ConnectionError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 1
@@ -256,33 +291,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         evidence_table(steps, title=f"tune: {what} by step")
     )
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        summaries = [s.summary for s in steps]
-        (args.out / "tune.json").write_text(
-            json.dumps(
-                {
-                    "recommended": best,
-                    "steps": [
-                        {
-                            "concurrency": s.concurrency,
-                            "problem": s.problem,
-                            "limit_mb": s.limit_mb,
-                            "summary": s.summary.model_dump(mode="json"),
-                        }
-                        for s in steps
-                    ],
-                },
-                indent=2,
-            )
-            + "\n"
-        )
-        report.write_csv(args.out / "results.csv", summaries)
-        report.write_png(args.out / "ladder.png", summaries, title=f"tune: {what}")
+        write_outputs(args.out, steps, best, what)
     if best is None:
         console.print(f"[red]no safe {what}:[/red] even 1 failed ({steps[0].problem})")
         return 1
     last = steps[-1]
-    why = (
+    why = start_failure or (
         f"{last.concurrency} failed: {last.problem}"
         if last.problem
         else f"--up-to {args.up_to} reached"

@@ -88,6 +88,11 @@ def test_ladder_refuses_bad_arguments(argv: list[str], capsys: pytest.CaptureFix
     assert "error:" in capsys.readouterr().err
 
 
+def test_base_url_accepts_the_openai_style() -> None:
+    assert ladder.base_url("http://h:8000/v1/") == "http://h:8000"
+    assert ladder.base_url("https://h/") == "https://h"
+
+
 def test_ladder_reports_an_unreachable_server(tmp_path: object) -> None:
     from tests.support import free_port
 
