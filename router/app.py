@@ -32,6 +32,7 @@ from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.pool import Pool, ReplicaState
 from router.proxy import Proxy
 from router.settings import RouterSettings
+from router.transport import KeepAliveTransport
 
 log = logging.getLogger("gpupool.router")
 
@@ -46,12 +47,14 @@ class AddReplica(BaseModel):
     name: str | None = None
 
 
-def make_client(settings: RouterSettings) -> httpx.AsyncClient:
+def make_client(
+    settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None
+) -> httpx.AsyncClient:
     """One pooled client for every replica; keep-alive connections are reused across requests."""
     cfg = settings.router
     return httpx.AsyncClient(
         timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
-        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024),
+        transport=transport or KeepAliveTransport(),
         trust_env=False,
     )
 
@@ -102,6 +105,26 @@ class RequestLog:
                 )
 
 
+class RouterApp(FastAPI):
+    """FastAPI, with the proxied routes dispatched straight to the proxy.
+
+    The proxied routes skip FastAPI's middleware stack and router (~10% of the router's CPU
+    per request); they still get the request-id/log middleware, and answer errors themselves.
+    Other methods on those paths fall through to FastAPI (405 in our JSON shape).
+    """
+
+    fast_paths: dict[str, tuple[str, ...]]
+    fast_app: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.fast_app is not None:
+            methods = self.fast_paths.get(scope["path"])
+            if methods is not None and scope["method"] in methods:
+                await self.fast_app(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(
     settings: RouterSettings,
     client: httpx.AsyncClient | None = None,
@@ -141,8 +164,10 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = client is None
-        http = client or make_client(settings)
+        transport = KeepAliveTransport() if owned else None
+        http = client or make_client(settings, transport)
         proxy.client = http
+        proxy.transport = transport
         poller = HealthPoller(
             pool,
             http,
@@ -180,15 +205,18 @@ def create_app(
             if owned:
                 await http.aclose()
 
-    app = FastAPI(title="gpupool router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = RouterApp(title="gpupool router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.pool = pool
     app.state.proxy = proxy
     app.state.metrics = metrics
     install_handlers(app)
 
+    app.fast_paths = {}
     for path in PROXIED:
         methods = ["GET"] if path == "/v1/models" else ["POST"]
         app.router.routes.append(Route(path, endpoint=proxy, methods=methods))
+        app.fast_paths[path] = tuple(methods)
+    app.fast_app = RequestLog(proxy, clock)
 
     def admin(request: Request) -> None:
         keys.check(request.headers.get("authorization"), admin=True)

@@ -108,6 +108,10 @@ class Proxy:
         self.rng = rng
         self.max_body_bytes = max_body_bytes
         self.client: httpx.AsyncClient | None = None  # set by the lifespan
+        # Set when the lifespan built the client on a transport it owns: proxied requests then
+        # go straight to the transport, skipping the client's cookie jar (a replica's cookies
+        # must not leak to other clients) and hooks, which cost ~15% of the router's CPU.
+        self.transport: httpx.AsyncBaseTransport | None = None
         self.budget = RetryBudget(config.retry_budget_ratio, clock)
         self.rate = CompletionRate(clock)
         self.timeout = httpx.Timeout(
@@ -115,6 +119,7 @@ class Proxy:
             connect=config.connect_timeout_s,
             pool=config.connect_timeout_s,
         )
+        self._timeouts = self.timeout.as_dict()
         self.min_free_bytes = config.min_free_memory_mb * 1024 * 1024
         self.draining = False
         self.in_flight = 0
@@ -226,7 +231,6 @@ class Proxy:
         info: dict[str, Any],
     ) -> tuple[httpx.Response, ReplicaState, bytes | None] | _Stored:
         """Find a replica that answers; the response is open (SSE) or read (content)."""
-        assert self.client is not None, "the lifespan sets the client"
         self.budget.deposit()
         tried: list[str] = []
         stored: _Stored | None = None
@@ -255,11 +259,8 @@ class Proxy:
             replica.in_flight += 1
             replica.picks += 1
             started = self.clock()
-            request = self.client.build_request(
-                method, replica.url + target, headers=headers, content=body, timeout=self.timeout
-            )
             try:
-                response = await self.client.send(request, stream=True)
+                response = await self._send(method, replica.url + target, headers, body)
                 self.metrics.upstream_latency.labels(replica.name).observe(self.clock() - started)
                 sse = response.headers.get("content-type", "").startswith("text/event-stream")
                 if sse and response.status_code < 400:
@@ -296,6 +297,23 @@ class Proxy:
         raise NoReplicaReady(
             (failure or "no replica could take the request") + "; no other replica is ready"
         )
+
+    async def _send(
+        self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> httpx.Response:
+        """Send one attempt; the response is open (headers read, body not yet)."""
+        if self.transport is not None:
+            request = httpx.Request(
+                method, url, headers=headers, content=body, extensions={"timeout": self._timeouts}
+            )
+            response = await self.transport.handle_async_request(request)
+            response.request = request
+            return response
+        assert self.client is not None, "the lifespan sets the client"
+        request = self.client.build_request(
+            method, url, headers=headers, content=body, timeout=self.timeout
+        )
+        return await self.client.send(request, stream=True)
 
     def _refuse(self) -> RouterError:
         replicas = self.pool.list()
