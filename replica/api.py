@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from common.config import ReplicaSettings
@@ -134,13 +135,16 @@ async def _read_json(request: Request, limit: int) -> Any:
         )
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(
-                f"request body is over the limit of {limit} bytes (max_body_bytes)"
-            )
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(
+                    f"request body is over the limit of {limit} bytes (max_body_bytes)"
+                )
+            chunks.append(chunk)
+    except ClientDisconnect as exc:
+        raise ClientDisconnected("the client closed the connection while sending") from exc
     try:
         return json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError) as exc:

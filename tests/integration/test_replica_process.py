@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from common.gpu import list_gpus
 from tests.support import REPO, Proc, free_port, replica_process
 
 
@@ -173,6 +174,17 @@ def test_config_and_replica_name_with_flag_override(tmp_path: Path) -> None:
     assert (health["max_concurrency"], health["max_queue"]) == (3, 9)
     assert too_many.status_code == 400
     assert "limit of 7" in too_many.json()["error"]["message"]
+
+
+def test_devices_all_without_a_gpu_is_a_clean_error(tmp_path: Path) -> None:
+    if list_gpus():
+        pytest.skip("NVML sees a GPU here")
+    config = tmp_path / "all.yaml"
+    config.write_text("model:\n  source: simulated\nreplicas:\n  devices: all\n")
+    done = run_main("--config", str(config), "--replica", "gpu0")
+    assert done.returncode == 2
+    assert "no GPU was found" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_sigterm_lets_the_in_flight_request_finish() -> None:
