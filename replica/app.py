@@ -23,12 +23,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from common.config import ReplicaSettings
 from common.gpu import GpuProbe, NoGpuProbe, NvmlProbe
 from common.protocol import REQUEST_ID_HEADER, ErrorBody
-from replica.api import ReplicaState, router
+from replica.api import router
 from replica.engine import Engine
 from replica.errors import ModelLoadError, install_handlers
 from replica.gate import Gate
 from replica.metrics import ReplicaMetrics
 from replica.simulated import SimulatedEngine, is_simulated
+from replica.state import ReplicaState
 
 log = logging.getLogger("replica")
 access_log = logging.getLogger("replica.access")

@@ -15,9 +15,9 @@ import uvicorn
 from fastapi import FastAPI
 
 from common.config import ModelConfig, ReplicaSettings
-from replica.api import ReplicaState
 from replica.app import create_app
 from replica.engine import ChatMessage, Delta, Done, Event, GenerationParams
+from replica.state import ReplicaState
 from tests.support import free_port
 
 
