@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from replica.engine import ChatMessage, GenerationParams
-from replica.errors import ClientDisconnected, InvalidRequest, PayloadTooLarge
+from replica.errors import ClientDisconnected, InvalidRequest, PayloadTooLarge, ReplicaError
 from replica.execution import execute
 from replica.metrics import CONTENT_TYPE
 from replica.responses import Job
@@ -182,7 +182,14 @@ async def chat_completions(request: Request) -> Response:
         state, wanted, limit, body.temperature, body.top_p, body.seed, body.stop, param
     )
     state.check_ready()
-    prompt = state.engine.render_chat(messages)
+    try:
+        prompt = state.engine.render_chat(messages)
+    except ReplicaError:
+        raise
+    except Exception as exc:  # the model's chat template refused these messages
+        raise InvalidRequest(
+            f"messages: the model's chat template cannot render them: {exc}", param="messages"
+        ) from exc
     _check_tokens(state, prompt, "messages")
     include = bool(body.stream_options and body.stream_options.include_usage)
     job = Job("chat", prompt, params, stream=body.stream, include_usage=include)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from replica.app import create_app
-from replica.engine import GenerationParams
+from replica.engine import ChatMessage, GenerationParams
 from replica.errors import EngineOutOfMemory
 from replica.simulated import SimulatedEngine, SimulatedOptions
 from tests.integration.replica_harness import (
@@ -269,3 +270,20 @@ async def test_a_bug_is_a_500_error_body_and_the_replica_stays_up() -> None:
     }
     assert r.headers["x-request-id"] == "bug-1"
     assert health.status_code == 200
+
+
+class PickyTemplateEngine(BlockingEngine):
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        if any(m.role == "tool" for m in messages):
+            raise ValueError("Conversation roles must alternate user/assistant")
+        return super().render_chat(messages)
+
+
+async def test_a_chat_template_refusal_is_a_400_naming_the_reason() -> None:
+    app, engine = blocking_app(PickyTemplateEngine())
+    payload = {"messages": [{"role": "tool", "content": "42"}]}
+    async with client_for(app) as client:
+        r = await client.post("/v1/chat/completions", json=payload)
+    assert r.status_code == 400
+    assert "roles must alternate" in r.json()["error"]["message"]
+    assert engine.started == 0
