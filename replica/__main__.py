@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         workers=1,
         log_level="info",
         access_log=False,
+        # Longer than the router's pooled-connection expiry (httpx: 5 s), so the router never
+        # sends on a connection this server is closing.
+        timeout_keep_alive=30,
         timeout_graceful_shutdown=int(settings.request_timeout_s + settings.queue_timeout_s),
     )
     server = uvicorn.Server(config)
