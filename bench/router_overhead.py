@@ -68,36 +68,37 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=2) as r:
+            if r.status == 200:
+                return
         time.sleep(0.1)
     raise TimeoutError(f"{url} not ready after {timeout_s}s")
 
 
 @contextlib.contextmanager
 def start(module: str, args: Sequence[str], port: int) -> Iterator[subprocess.Popen[bytes]]:
-    log = tempfile.NamedTemporaryFile(prefix=f"bench-{module}-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, "--port", str(port), *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-    )
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", proc)
-        yield proc
-    finally:
-        proc.terminate()
+    with tempfile.TemporaryFile(prefix=f"bench-{module}-") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, "--port", str(port), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
-        os.unlink(log.name)
+            wait_ready(f"http://127.0.0.1:{port}", proc)
+            yield proc
+        except Exception:
+            log.seek(0)
+            sys.stderr.write(log.read()[-4000:].decode(errors="replace"))
+            raise
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
 
 
 @contextlib.contextmanager

@@ -56,6 +56,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=32, help="assumed until a report")
     p.add_argument("--foreign-max-concurrency", type=int, default=8)
     p.add_argument("--foreign-max-queue", type=int, default=64)
+    p.add_argument(
+        "--http-client",
+        choices=["lean", "httpx"],
+        default="lean",
+        help="upstream HTTP client (lean: the router's own transport; httpx: httpx's pool)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     for knob, kind in _KNOBS.items():
         p.add_argument("--" + knob.replace("_", "-"), type=kind, default=None)
@@ -115,6 +121,7 @@ def build_settings(args: argparse.Namespace) -> RouterSettings:
             "replicas": specs,
             "foreign_max_concurrency": args.foreign_max_concurrency,
             "foreign_max_queue": args.foreign_max_queue,
+            "http_client": args.http_client,
         }
     )
 

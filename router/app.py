@@ -50,11 +50,18 @@ class AddReplica(BaseModel):
 def make_client(
     settings: RouterSettings, transport: httpx.AsyncBaseTransport | None = None
 ) -> httpx.AsyncClient:
-    """One pooled client for every replica; keep-alive connections are reused across requests."""
+    """One pooled client for every replica; keep-alive connections are reused across requests.
+
+    Without ``transport``, httpx's own pool, with idle connections dropped after 4 s (before
+    uvicorn's 5 s keep-alive timeout closes them under the router).
+    """
     cfg = settings.router
     return httpx.AsyncClient(
         timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
-        transport=transport or KeepAliveTransport(),
+        transport=transport,
+        limits=httpx.Limits(
+            max_connections=4096, max_keepalive_connections=1024, keepalive_expiry=4.0
+        ),
         trust_env=False,
     )
 
@@ -164,7 +171,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = client is None
-        transport = KeepAliveTransport() if owned else None
+        lean = owned and settings.http_client == "lean"
+        transport = KeepAliveTransport() if lean else None
         http = client or make_client(settings, transport)
         proxy.client = http
         proxy.transport = transport

@@ -5,7 +5,7 @@ Rules:
 - Retry on a different replica after a connection failure (refused, reset, closed before an
   answer), or a 429/503 from the replica, only while no byte has gone to the client; at most
   ``max_attempts`` attempts, and retries are drawn from a ``RetryBudget``.
-- A connection failure ejects the replica at once (the poller brings it back).
+- A failure to connect ejects the replica at once (the poller brings it back).
 - Non-streaming answers are read whole before anything is sent, so a failure while reading
   one is still retried. SSE answers (``text/event-stream``) are passed through chunk by chunk;
   once one started, it is never retried: a cut ends it with ``data: {"error": {...}}``.
@@ -71,6 +71,13 @@ _TRANSPORT_ERRORS = (
     httpx.WriteError,
     httpx.CloseError,
 )
+
+
+# Nothing reached the replica: it is down (or unreachable), so it leaves rotation at once. A
+# reset or an early close on an established connection is retried elsewhere but does not eject:
+# a keep-alive connection closed by the replica at the wrong moment looks the same. A dead
+# replica is ejected by the next connect anyway.
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 class _ClientGone(Exception):
@@ -270,7 +277,11 @@ class Proxy:
             except _TRANSPORT_ERRORS as exc:
                 self._release(replica)
                 failure = f"replica {replica.name} failed: {_describe(exc)}"
-                self.eject(replica, failure)
+                if isinstance(exc, _CONNECT_ERRORS):
+                    self.eject(replica, failure)
+                else:
+                    replica.errors += 1
+                    replica.last_error = failure
                 info["retry_reason"] = "connection"
                 continue
             except asyncio.CancelledError:
@@ -295,7 +306,7 @@ class Proxy:
         if stored is not None:
             return stored
         raise NoReplicaReady(
-            (failure or "no replica could take the request") + "; no other replica is ready"
+            f"no replica is ready: {failure or 'no replica could take the request'}"
         )
 
     async def _send(
@@ -353,7 +364,7 @@ class Proxy:
                 reason = f"stream from replica {replica.name} broke: {_describe(exc)}"
                 finished = True
                 self._finish(replica, 502)
-                if isinstance(exc, _TRANSPORT_ERRORS):
+                if isinstance(exc, _CONNECT_ERRORS):
                     self.eject(replica, reason)
                 await send(
                     {

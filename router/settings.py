@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.config import DeploymentConfig, RouterConfig
@@ -27,6 +29,9 @@ class RouterSettings(BaseModel):
     foreign_max_queue: int = Field(64, ge=0)
     # Bodies above this are answered 413 by the router itself.
     max_body_bytes: int = Field(16_000_000, ge=1024)
+    # Upstream HTTP: "lean" (router/transport.py, the default) or "httpx" (httpx's own pool),
+    # kept to measure one against the other (docs/BENCHMARKS.md).
+    http_client: Literal["lean", "httpx"] = "lean"
 
 
 def from_deployment(

@@ -1,168 +1,241 @@
-"""A lean keep-alive transport for the router's ``httpx.AsyncClient``.
+"""A lean HTTP/1.1 keep-alive transport for the router's ``httpx.AsyncClient``.
 
-httpx's default pool (httpcore ``AsyncConnectionPool``) re-examines every pooled connection,
-probing each idle socket with a syscall, twice per request; with the 30-100 connections a busy
-router keeps to its replicas that scan was ~35% of the router's CPU (see docs/BENCHMARKS.md).
-This transport keeps a LIFO stack of idle HTTP/1.1 connections per replica and checks only the
-one it takes. Connections are httpcore's own (h11), and httpcore errors are translated into the
-httpx exceptions the proxy already handles, so the client API does not change.
+The router talks to a handful of replicas over plain HTTP/1.1, at high rates; httpx's default
+transport (httpcore on anyio, h11) cost most of the router's CPU (see docs/BENCHMARKS.md: its
+pool probes every idle socket twice per request, and anyio cancel scopes and h11 add more).
+This transport keeps a LIFO stack of idle connections per replica, runs each as an asyncio
+``Protocol`` with the ``httptools`` parser (uvicorn's), and streams the body as it arrives.
+It is an ``httpx.AsyncBaseTransport`` raising httpx's exceptions, so callers see plain httpx.
 
-Idle connections expire after ``keepalive_expiry`` (default 4 s, below uvicorn's 5 s keep-alive
-timeout), so the router never reuses a connection the replica is about to close.
+Rules: a connection is reused only after a complete response that allows keep-alive; idle ones
+expire after ``keepalive_expiry`` (4 s, below uvicorn's 5 s keep-alive timeout, so the router
+never writes to a connection the replica is closing); a response abandoned before its end
+closes its connection (which the replica sees as a client disconnect, and cancels).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ssl
+import asyncio
+import collections
+import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
-import httpcore
+import httptools
 import httpx
 
-_ERRORS: dict[type[Exception], type[httpx.TransportError]] = {
-    httpcore.ConnectTimeout: httpx.ConnectTimeout,
-    httpcore.ReadTimeout: httpx.ReadTimeout,
-    httpcore.WriteTimeout: httpx.WriteTimeout,
-    httpcore.PoolTimeout: httpx.PoolTimeout,
-    httpcore.TimeoutException: httpx.TimeoutException,
-    httpcore.ConnectError: httpx.ConnectError,
-    httpcore.ReadError: httpx.ReadError,
-    httpcore.WriteError: httpx.WriteError,
-    httpcore.NetworkError: httpx.NetworkError,
-    httpcore.RemoteProtocolError: httpx.RemoteProtocolError,
-    httpcore.LocalProtocolError: httpx.LocalProtocolError,
-    httpcore.ProtocolError: httpx.ProtocolError,
-    httpcore.UnsupportedProtocol: httpx.UnsupportedProtocol,
-}
+_HIGH_WATER = 1 << 20  # pause reading from a replica when this much body is unread
+_LOW_WATER = 1 << 18
 
-Key = tuple[bytes, bytes, int]
+Key = tuple[str, int]
 
 
-def _translate(exc: Exception, request: httpx.Request) -> Exception:
-    for core_type in type(exc).__mro__:
-        mapped = _ERRORS.get(core_type)  # type: ignore[call-overload]
-        if mapped is not None:
-            return mapped(str(exc) or type(exc).__name__, request=request)
-    return exc
+class _Connection(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = False
+        self.complete = False
+        self.head_done = False
+        self.error: Exception | None = None
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        self.paused = False
+        self.waiter: asyncio.Future[None] | None = None
+
+    # ---- asyncio.Protocol --------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport but have its methods.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(httpx.RemoteProtocolError(f"invalid HTTP response: {exc}"))
+            self.close()
+            return
+        if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.complete:
+            if self.head_done:
+                message = "replica closed the connection in the middle of the response body"
+            else:
+                message = "replica closed the connection without sending a response"
+            if exc is not None:
+                message += f" ({exc})"
+            self._fail(httpx.RemoteProtocolError(message))
+
+    # ---- httptools callbacks -----------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.head_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.keep_alive = self.parser.should_keep_alive()
+        self.complete = True
+        self._wake()
+
+    # ---- used by the transport ---------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: Exception) -> None:
+        if self.error is None:
+            self.error = error
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def reusable(self) -> bool:
+        return self.complete and self.keep_alive and not self.closed and self.error is None
+
+    async def wait(self, timeout_s: float | None) -> None:
+        """Until the parser made progress (or failed); ReadTimeout after ``timeout_s``."""
+        if self.error is not None:
+            raise self.error
+        self.waiter = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.waiter
+        except TimeoutError as exc:
+            raise httpx.ReadTimeout(f"no data from the replica for {timeout_s:g}s") from exc
+        finally:
+            self.waiter = None
+
+    def start(self, payload: bytes) -> None:
+        self.status, self.headers, self.chunks = 0, [], collections.deque()
+        self.complete = self.head_done = self.keep_alive = False
+        self.buffered = 0
+        assert self.transport is not None
+        self.transport.write(payload)
+
+    def take_chunk(self) -> bytes:
+        chunk = self.chunks.popleft()
+        self.buffered -= len(chunk)
+        if self.paused and self.buffered < _LOW_WATER and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        return chunk
 
 
-class _Stream(httpx.AsyncByteStream):
-    """The response body; on close, its connection goes back to the idle stack if reusable."""
-
+class _Body(httpx.AsyncByteStream):
     def __init__(
-        self,
-        transport: KeepAliveTransport,
-        key: Key,
-        connection: httpcore.AsyncHTTPConnection,
-        stream: Any,
-        request: httpx.Request,
+        self, transport: KeepAliveTransport, key: Key, conn: _Connection, timeout: float | None
     ) -> None:
         self._transport = transport
         self._key = key
-        self._connection = connection
-        self._stream = stream
-        self._request = request
+        self._conn = conn
+        self._timeout = timeout
+        self._released = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        try:
-            async for part in self._stream:
-                yield part
-        except httpcore.TimeoutException as exc:
-            raise _translate(exc, self._request) from exc
-        except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
-            raise _translate(exc, self._request) from exc
+        conn = self._conn
+        while True:
+            while conn.chunks:
+                yield conn.take_chunk()
+            if conn.complete:
+                return
+            await conn.wait(self._timeout)
 
     async def aclose(self) -> None:
-        try:
-            if hasattr(self._stream, "aclose"):
-                await self._stream.aclose()
-        finally:
-            self._transport._release(self._key, self._connection)
+        if not self._released:
+            self._released = True
+            self._transport._release(self._key, self._conn)
 
 
 class KeepAliveTransport(httpx.AsyncBaseTransport):
-    def __init__(
-        self,
-        *,
-        keepalive_expiry: float = 4.0,
-        max_idle_per_host: int = 512,
-        ssl_context: ssl.SSLContext | None = None,
-    ) -> None:
+    def __init__(self, *, keepalive_expiry: float = 4.0, max_idle_per_host: int = 512) -> None:
         self._keepalive_expiry = keepalive_expiry
         self._max_idle = max_idle_per_host
-        self._ssl_context = ssl_context
-        self._idle: dict[Key, list[httpcore.AsyncHTTPConnection]] = {}
-        # Connections to close at the next await point (release happens in sync code).
-        self._discard: list[httpcore.AsyncHTTPConnection] = []
+        self._idle: dict[Key, list[_Connection]] = {}
         self._closed = False
 
-    def _take(self, key: Key) -> httpcore.AsyncHTTPConnection | None:
+    def _take(self, key: Key) -> _Connection | None:
         stack = self._idle.get(key)
+        now = time.monotonic()
         while stack:
-            connection = stack.pop()
-            if connection.is_idle() and not connection.has_expired():
-                return connection
-            self._discard.append(connection)
+            conn = stack.pop()
+            if not conn.closed and now - conn.idle_since < self._keepalive_expiry:
+                return conn
+            conn.close()
         return None
 
-    def _release(self, key: Key, connection: httpcore.AsyncHTTPConnection) -> None:
+    def _release(self, key: Key, conn: _Connection) -> None:
         stack = self._idle.setdefault(key, [])
-        if not self._closed and connection.is_idle() and len(stack) < self._max_idle:
-            stack.append(connection)
-        elif not connection.is_closed():
-            self._discard.append(connection)
+        if not self._closed and conn.reusable() and len(stack) < self._max_idle:
+            conn.idle_since = time.monotonic()
+            stack.append(conn)
+        else:
+            conn.close()
 
-    async def _close_discarded(self) -> None:
-        while self._discard:
-            connection = self._discard.pop()
-            with contextlib.suppress(Exception):  # a dead socket may fail to close: gone anyway
-                await connection.aclose()
+    async def _connect(self, key: Key, timeout_s: float | None) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, conn = await loop.create_connection(_Connection, key[0], key[1])
+        except TimeoutError as exc:
+            raise httpx.ConnectTimeout(f"connecting to {key[0]}:{key[1]} timed out") from exc
+        except OSError as exc:
+            raise httpx.ConnectError(f"connecting to {key[0]}:{key[1]}: {exc}") from exc
+        return conn
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
-        key: Key = (
-            url.raw_scheme,
-            url.raw_host,
-            url.port or (443 if url.scheme == "https" else 80),
-        )
-        connection = self._take(key)
-        if self._discard:
-            await self._close_discarded()
-        if connection is None:
-            connection = httpcore.AsyncHTTPConnection(
-                origin=httpcore.Origin(*key),
-                keepalive_expiry=self._keepalive_expiry,
-                ssl_context=self._ssl_context,
-            )
-        core_request = httpcore.Request(
-            method=request.method,
-            url=httpcore.URL(
-                scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path
-            ),
-            headers=request.headers.raw,
-            content=request.stream,  # type: ignore[arg-type]
-            extensions=request.extensions,
-        )
+        if url.scheme != "http":
+            raise httpx.UnsupportedProtocol(f"the router's transport speaks http only: {url}")
+        timeouts: dict[str, Any] = request.extensions.get("timeout", {})
+        key: Key = (url.host, url.port or 80)
+        body = await request.aread()
+        head = [f"{request.method} ".encode(), url.raw_path, b" HTTP/1.1\r\n"]
+        for name, value in request.headers.raw:
+            head += [name, b": ", value, b"\r\n"]
+        head.append(b"\r\n")
+        payload = b"".join(head) + body
+        conn = self._take(key) or await self._connect(key, timeouts.get("connect"))
+        read_timeout = timeouts.get("read")
         try:
-            response = await connection.handle_async_request(core_request)
-        except Exception as exc:
-            await connection.aclose()
-            raise _translate(exc, request) from exc
+            conn.start(payload)
+            while not conn.head_done:
+                await conn.wait(read_timeout)
         except BaseException:
-            await connection.aclose()
+            conn.close()
             raise
         return httpx.Response(
-            status_code=response.status,
-            headers=response.headers,
-            stream=_Stream(self, key, connection, response.stream, request),
-            extensions=response.extensions,
+            status_code=conn.status,
+            headers=conn.headers,
+            stream=_Body(self, key, conn, read_timeout),
+            request=request,
         )
 
     async def aclose(self) -> None:
         self._closed = True
         for stack in self._idle.values():
-            self._discard.extend(stack)
+            for conn in stack:
+                conn.close()
             stack.clear()
-        await self._close_discarded()
