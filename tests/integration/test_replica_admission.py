@@ -198,7 +198,7 @@ async def test_request_timeout_is_504_stops_generation_and_frees_the_slot() -> N
 
 async def test_timeout_mid_stream_is_an_sse_error_event() -> None:
     source = "simulated:decode_ms=40,prefill_ms=0"
-    app = create_app(make_settings(source, request_timeout_s=0.2))
+    app = create_app(make_settings(source, request_timeout_s=0.5))
     engine = state_of(app).engine
     assert isinstance(engine, SimulatedEngine)
     async with client_for(app) as client:
