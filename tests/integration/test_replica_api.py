@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import httpx
@@ -255,3 +256,22 @@ async def test_metrics_count_requests_tokens_and_errors(client: httpx.AsyncClien
         "gpupool_replica_memory_used_bytes",
     ):
         assert name in text
+
+
+async def test_one_access_log_line_per_request(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="replica.access")
+    await client.post(
+        "/v1/completions",
+        json={"prompt": "a b c", "max_tokens": 2},
+        headers={"X-Request-ID": "log-me"},
+    )
+    await client.post("/v1/completions", json={"prompt": ""}, headers={"X-Request-ID": "bad-one"})
+    lines = [r.getMessage() for r in caplog.records if r.name == "replica.access"]
+    assert len(lines) == 2
+    ok, bad = lines
+    assert ok.startswith("id=log-me POST /v1/completions status=200 queue_ms=0.0 ")
+    assert "prompt_tokens=3 completion_tokens=2" in ok
+    assert "duration_ms=" in ok
+    assert bad.startswith("id=bad-one POST /v1/completions status=400 queue_ms=- ")
