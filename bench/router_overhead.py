@@ -176,8 +176,15 @@ async def _run(
     return out, errors, time.perf_counter() - started
 
 
-def measure(
-    name: str,
+@dataclass
+class Samples:
+    latencies: list[float]
+    errors: int = 0
+    seconds: float = 0.0
+    router_cpu_s: float | None = None
+
+
+def collect(
     ports: list[int],
     clients: int,
     *,
@@ -185,16 +192,27 @@ def measure(
     duration_s: float = 600.0,
     warmup: int = 200,
     router_pid: int | None = None,
-) -> Phase:
+    into: Samples | None = None,
+) -> Samples:
+    """One run (after a short warm-up), added to ``into`` when given."""
+    into = into or Samples([])
     asyncio.run(_run(ports, clients, count=warmup, duration_s=60))
     cpu_before = cpu_seconds(router_pid) if router_pid else None
     latencies, errors, seconds = asyncio.run(
         _run(ports, clients, count=count, duration_s=duration_s)
     )
-    router_cpu = (
-        cpu_seconds(router_pid) - cpu_before if router_pid and cpu_before is not None else None
-    )
-    ms = sorted(x * 1000 for x in latencies)
+    into.latencies += latencies
+    into.errors += len(errors)
+    into.seconds += seconds
+    if router_pid and cpu_before is not None:
+        into.router_cpu_s = (into.router_cpu_s or 0.0) + cpu_seconds(router_pid) - cpu_before
+    return into
+
+
+def summarise(name: str, samples: Samples) -> Phase:
+    ms = sorted(x * 1000 for x in samples.latencies)
+    seconds = samples.seconds
+    router_cpu = samples.router_cpu_s
 
     def pct(p: float) -> float:
         return ms[min(int(p / 100 * len(ms)), len(ms) - 1)]
@@ -202,7 +220,7 @@ def measure(
     return Phase(
         name=name,
         requests=len(ms),
-        errors=len(errors),
+        errors=samples.errors,
         seconds=round(seconds, 3),
         p50_ms=round(pct(50), 3),
         p90_ms=round(pct(90), 3),
@@ -217,12 +235,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.router_overhead", description=__doc__)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--clients", type=int, default=32)
-    p.add_argument("--requests", type=int, default=3200, help="per latency phase")
+    p.add_argument("--requests", type=int, default=6400, help="per latency phase")
+    p.add_argument("--rounds", type=int, default=4, help="direct/router alternations")
     p.add_argument("--fixed-ms", type=float, default=50.0)
     p.add_argument("--throughput-clients", type=int, default=64)
     p.add_argument("--duration-s", type=float, default=10.0, help="throughput phase length")
     p.add_argument("--router-arg", action="append", default=[], help="extra router flag")
-    p.add_argument("--json", default="bench-results/router_overhead.json")
+    p.add_argument("--json", default="results/router_overhead.json")
     p.add_argument("--skip-throughput", action="store_true")
     return p.parse_args(argv)
 
@@ -235,27 +254,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         uvloop.install()
     phases: list[Phase] = []
     with fleet(args.replicas, args.fixed_ms, args.router_arg) as (ports, router_port, pid):
-        phases.append(measure("direct", ports, args.clients, count=args.requests))
-        phases.append(
-            measure("router", [router_port], args.clients, count=args.requests, router_pid=pid)
-        )
+        # Direct and routed runs alternate, so a neighbour's burst on this shared machine does
+        # not land on one side only.
+        direct, routed = Samples([]), Samples([])
+        share = max(args.requests // args.rounds, args.clients)
+        for _ in range(args.rounds):
+            collect(ports, args.clients, count=share, into=direct)
+            collect([router_port], args.clients, count=share, router_pid=pid, into=routed)
+        phases += [summarise("direct", direct), summarise("router", routed)]
     if not args.skip_throughput:
         with fleet(args.replicas, 0, args.router_arg) as (ports, router_port, pid):
+            clients, seconds = args.throughput_clients, args.duration_s
+            phases.append(summarise("direct-max", collect(ports, clients, duration_s=seconds)))
             phases.append(
-                measure(
-                    "direct-max",
-                    ports,
-                    args.throughput_clients,
-                    duration_s=args.duration_s,
-                )
-            )
-            phases.append(
-                measure(
+                summarise(
                     "router-max",
-                    [router_port],
-                    args.throughput_clients,
-                    duration_s=args.duration_s,
-                    router_pid=pid,
+                    collect([router_port], clients, duration_s=seconds, router_pid=pid),
                 )
             )
     by = {p.name: p for p in phases}

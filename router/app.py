@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import random
@@ -196,6 +197,10 @@ def create_app(
             tasks.append(asyncio.create_task(discoverer.run()))
         await poller.poll_once()
         tasks.append(asyncio.create_task(poller.run()))
+        # Everything built so far lives as long as the process: keep it out of the cyclic GC's
+        # scans, which otherwise show up as millisecond pauses in the p99.
+        gc.collect()
+        gc.freeze()
         log.info(
             "router up: %d replica(s): %s; auth %s",
             len(pool),
