@@ -215,16 +215,19 @@ class Proxy:
         except RouterError as exc:
             answer = error_response(exc)
             self.metrics.requests.labels(str(answer.status_code)).inc()
+            state["done"] = True  # from here on a disconnect needs no cancel
             await answer(scope, _no_receive, send)
             return
         if isinstance(outcome, _Stored):
             self.metrics.requests.labels(str(outcome.status)).inc()
+            state["done"] = True
             await _send_whole(send, outcome.status, outcome.headers, outcome.body)
             return
         response, replica, content = outcome
         self.metrics.requests.labels(str(response.status_code)).inc()
         if content is not None:
             self._finish(replica, response.status_code)
+            state["done"] = True
             await _send_whole(send, response.status_code, _pass_headers(response), content)
             return
         await self._stream(send, response, replica, state)
@@ -407,6 +410,7 @@ class Proxy:
 
     def _note_refusal(self, replica: ReplicaState, status: int) -> None:
         """A replica said 429 (full) or 503 (not ready): believe it until its next report."""
+        replica.last_error = f"answered {status}"
         if status == 503:
             replica.ready = False
         else:

@@ -5,6 +5,8 @@
 - ``error500``: /health is a healthy gpupool report, every other route answers 500
   (a replica broken in a way only real requests reveal).
 - ``foreign``: /health is an empty 200 (as vLLM's), /v1/completions answers a fixed completion.
+- ``busy429``: /health is a healthy, idle report, every other route answers 429 with
+  ``Retry-After: 7`` (a replica whose queue is full of someone else's work).
 
 ``GET /count`` says how many proxied requests arrived.
 """
@@ -45,6 +47,12 @@ def build(mode: str) -> Starlette:
             return JSONResponse(
                 {"error": {"message": "boom", "type": "server_error"}}, status_code=500
             )
+        if mode == "busy429":
+            return JSONResponse(
+                {"error": {"message": "queue full", "type": "rate_limit_error"}},
+                status_code=429,
+                headers={"Retry-After": "7"},
+            )
         return JSONResponse(
             {
                 "id": "cmpl-foreign",
@@ -73,7 +81,7 @@ def build(mode: str) -> Starlette:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--mode", choices=["error500", "foreign"], required=True)
+    p.add_argument("--mode", choices=["error500", "foreign", "busy429"], required=True)
     args = p.parse_args()
     uvicorn.run(build(args.mode), host="127.0.0.1", port=args.port, log_level="warning")
 

@@ -160,3 +160,26 @@ def test_stream_cut_mid_way_ends_with_an_error_event() -> None:
         after = client.post(router.url + "/generate", json={"text": "hi"})
         assert after.status_code == 503
         assert "no replica is ready" in after.json()["error"]["message"]
+
+
+def test_replica_429_is_retried_elsewhere_and_passed_through_when_alone() -> None:
+    port = free_port()
+    with (
+        python_module(FAKES, ["--port", str(port), "--mode", "busy429"], port=port) as busy,
+        replica_process("--model", SIM) as good,
+        router_process(
+            f"--replica=busy={busy.url}", f"--replica=good={good.url}", "--health-interval-s", "0.1"
+        ) as router,
+        httpx.Client(timeout=30) as client,
+    ):
+        statuses = []
+        for _ in range(20):
+            statuses.append(generate(client, router.url))
+            time.sleep(0.05)  # let polls reset the router's view of "busy" now and then
+        assert statuses == [200] * 20
+        assert httpx.get(busy.url + "/count").json()["n"] >= 1
+        # Without another replica, the replica's own 429 (and its Retry-After) comes through.
+        httpx.delete(router.url + "/replicas/good")
+        wait_for(lambda: replicas(router.url)["busy"]["load"] == 0)  # a poll undid the last 429
+        alone = client.post(router.url + "/generate", json={"text": "hi", "max_tokens": 1})
+        assert alone.status_code == 429 and alone.headers["retry-after"] == "7"
