@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +69,33 @@ def test_fleet_full_gives_429_and_a_disconnect_cancels_upstream(single: Proc) ->
         )
         metrics = client.get(router.url + "/metrics").text
         assert 'gpupool_router_rejections_total{reason="all_full"} 1.0' in metrics
+
+
+def test_client_giving_up_on_a_plain_request_cancels_it_upstream(single: Proc) -> None:
+    with router_process(f"--replica=one={single.url}") as router:
+        body = {"model": "simulated", "prompt": "hi", "max_tokens": 500}  # ~10 s, not streamed
+        with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=1.0) as client:
+            client.post(router.url + "/v1/completions", json=body)
+        wait_for(lambda: httpx.get(single.url + "/health").json()["in_flight"] == 0, 8)
+        wait_for(lambda: httpx.get(router.url + "/health").json()["in_flight"] == 0, 5)
+        assert "client disconnected" in router.log()
+
+
+def test_sigterm_lets_a_running_stream_finish(single: Proc) -> None:
+    with router_process(f"--replica=one={single.url}") as router:
+        body = {"model": "simulated", "prompt": "hi", "max_tokens": 50, "stream": True}
+        with (
+            httpx.Client(timeout=30) as client,
+            client.stream("POST", router.url + "/v1/completions", json=body) as r,
+        ):
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            router.popen.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        # uvicorn re-raises the signal once it has shut down cleanly: -15, not a crash.
+        assert router.popen.wait(15) in (0, -signal.SIGTERM)
+        assert "Finished server process" in router.log()
 
 
 def test_nearly_full_gpu_memory_gets_no_new_work() -> None:
