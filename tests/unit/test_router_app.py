@@ -1,0 +1,161 @@
+"""The router app in-process, its replicas played by an httpx transport, on a fake clock:
+the rules that need exact control of time and of replica answers."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from common.config import RouterConfig
+from router.app import create_app
+from router.settings import ReplicaSpec, RouterSettings
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def report(**kw: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "ready": True,
+        "device": "cpu",
+        "model": "m",
+        "in_flight": 0,
+        "queued": 0,
+        "max_concurrency": 2,
+        "max_queue": 2,
+    }
+    return {**base, **kw}
+
+
+Behaviour = Callable[[httpx.Request], httpx.Response]
+
+
+class Replicas:
+    """Per host: what /health and the work routes answer; counts the work requests."""
+
+    def __init__(self, **work: Behaviour) -> None:
+        self.work = work
+        self.calls: Counter[str] = Counter()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if request.url.path == "/health":
+            return httpx.Response(200, json=report())
+        self.calls[host] += 1
+        return self.work[host](request)
+
+
+def ok(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, json={"result": "fine"})
+
+
+def boom(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(500, json={"error": {"message": "boom", "type": "server_error"}})
+
+
+def refuse(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+async def running(
+    replicas: Replicas, clock: FakeClock, **router: object
+) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    settings = RouterSettings(
+        router=RouterConfig.model_validate({"health_interval_s": 3600, **router}),
+        replicas=[ReplicaSpec(name=h, url=f"http://{h}:9100") for h in replicas.work],
+    )
+    upstream = httpx.AsyncClient(transport=httpx.MockTransport(replicas))
+    app = create_app(settings, client=upstream, clock=clock, env={})
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://router") as c,
+    ):
+        yield app, c
+    await upstream.aclose()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+async def generate(c: httpx.AsyncClient) -> httpx.Response:
+    return await c.post("/generate", json={"text": "hi"})
+
+
+async def test_fleet_wide_outage_is_bounded_and_then_refused_at_once(clock: FakeClock) -> None:
+    replicas = Replicas(a=refuse, b=refuse, c=refuse, d=refuse)
+    async for _, c in running(replicas, clock, max_attempts=3):
+        first = await generate(c)
+        assert first.status_code == 503
+        assert "no replica is ready" in first.json()["error"]["message"]
+        assert sum(replicas.calls.values()) == 3  # max_attempts, not one per replica
+        second = await generate(c)
+        assert second.status_code == 503
+        assert sum(replicas.calls.values()) == 4  # the one replica not yet tried
+        third = await generate(c)
+        assert third.status_code == 503 and sum(replicas.calls.values()) == 4
+        states = (await c.get("/replicas")).json()["replicas"]
+        assert [r["state"] for r in states] == ["unhealthy"] * 4
+        assert all(r["ejections"] == 1 for r in states)
+
+
+async def test_5xx_ejection_backs_off_and_a_relapse_ejects_again(clock: FakeClock) -> None:
+    replicas = Replicas(bad=boom, good=ok)
+    async for app, c in running(replicas, clock, fail_threshold=2, health_interval_s=1.0):
+        pool, poller = app.state.pool, app.state.poller
+        bad = pool.get("bad")
+        statuses = [(await generate(c)).status_code for _ in range(20)]
+        assert statuses.count(500) == 2 and not bad.healthy
+        # /health looks fine, but the back-off (1 s) has not passed: still out.
+        await poller.probe(bad)
+        assert not bad.healthy
+        clock.now += 1.5
+        await poller.probe(bad)
+        assert bad.healthy
+        # One more 500 after readmission ejects it again, for twice as long.
+        while replicas.calls["bad"] == 2:
+            await generate(c)
+        assert not bad.healthy and bad.ejected_until == pytest.approx(clock.now + 2.0)
+        assert bad.ejections == 2
+
+
+async def test_request_body_and_id_reach_the_replica(clock: FakeClock) -> None:
+    seen: list[httpx.Request] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"echo": json.loads(request.content)})
+
+    async for _, c in running(Replicas(a=record), clock):
+        r = await c.post(
+            "/v1/completions?trace=1",
+            json={"prompt": "hi"},
+            headers={"X-Request-ID": "abc.123", "Authorization": "Bearer not-for-replicas"},
+        )
+    assert r.status_code == 200 and r.json() == {"echo": {"prompt": "hi"}}
+    assert r.headers["x-request-id"] == "abc.123"
+    assert seen[0].url.path == "/v1/completions" and seen[0].url.query == b"trace=1"
+    assert seen[0].headers["x-request-id"] == "abc.123"
+    assert "authorization" not in seen[0].headers
+
+
+async def test_invalid_request_id_is_replaced(clock: FakeClock) -> None:
+    async for _, c in running(Replicas(a=ok), clock):
+        r = await generate_with_id(c, "bad id with spaces")
+    assert r.headers["x-request-id"] != "bad id with spaces"
+    assert len(r.headers["x-request-id"]) == 32
+
+
+async def generate_with_id(c: httpx.AsyncClient, request_id: str) -> httpx.Response:
+    return await c.post("/generate", json={"text": "hi"}, headers={"X-Request-ID": request_id})
