@@ -159,3 +159,38 @@ async def test_invalid_request_id_is_replaced(clock: FakeClock) -> None:
 
 async def generate_with_id(c: httpx.AsyncClient, request_id: str) -> httpx.Response:
     return await c.post("/generate", json={"text": "hi"}, headers={"X-Request-ID": request_id})
+
+
+async def test_dns_discovery_feeds_the_pool(clock: FakeClock) -> None:
+    answers = [["10.0.0.7", "10.0.0.8"]]
+
+    async def resolver(name: str, port: int) -> list[str]:
+        assert (name, port) == ("replicas.gpupool.svc", 9100)
+        return answers[-1]
+
+    replicas = Replicas(**{"10.0.0.7": ok, "10.0.0.8": ok})
+    settings = RouterSettings(
+        router=RouterConfig.model_validate(
+            {
+                "health_interval_s": 3600,
+                "discovery": {"name": "replicas.gpupool.svc", "port": 9100, "interval_s": 3600},
+            }
+        )
+    )
+    upstream = httpx.AsyncClient(transport=httpx.MockTransport(replicas))
+    app = create_app(settings, client=upstream, clock=clock, resolver=resolver, env={})
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://router") as c,
+    ):
+        # Discovered at start-up and probed before the first request.
+        assert (await c.get("/health")).json()["ready_replicas"] == 2
+        for _ in range(4):
+            assert (await generate(c)).status_code == 200
+        assert sum(replicas.calls.values()) == 4
+        assert set(replicas.calls) <= {"10.0.0.7", "10.0.0.8"}
+        answers.append(["10.0.0.8"])
+        await app.state.discoverer.refresh()
+        names = [r["name"] for r in (await c.get("/replicas")).json()["replicas"]]
+        assert names == ["10.0.0.8:9100"]
+    await upstream.aclose()
