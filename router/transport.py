@@ -6,6 +6,7 @@ pool probes every idle socket twice per request, and anyio cancel scopes and h11
 This transport keeps a LIFO stack of idle connections per replica, runs each as an asyncio
 ``Protocol`` with the ``httptools`` parser (uvicorn's), and streams the body as it arrives.
 It is an ``httpx.AsyncBaseTransport`` raising httpx's exceptions, so callers see plain httpx.
+Plain HTTP only: ``https://`` replicas (remote, behind TLS) go through httpx's own transport.
 
 Rules: a connection is reused only after a complete response that allows keep-alive; idle ones
 expire after ``keepalive_expiry`` (4 s, below uvicorn's 5 s keep-alive timeout, so the router
@@ -175,6 +176,7 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
         self._max_idle = max_idle_per_host
         self._idle: dict[Key, list[_Connection]] = {}
         self._closed = False
+        self._tls: httpx.AsyncHTTPTransport | None = None
 
     def _take(self, key: Key) -> _Connection | None:
         stack = self._idle.get(key)
@@ -208,7 +210,12 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
         if url.scheme != "http":
-            raise httpx.UnsupportedProtocol(f"the router's transport speaks http only: {url}")
+            # TLS (a remote replica behind https): httpx's own transport does it.
+            if self._tls is None:
+                self._tls = httpx.AsyncHTTPTransport(
+                    limits=httpx.Limits(keepalive_expiry=self._keepalive_expiry)
+                )
+            return await self._tls.handle_async_request(request)
         timeouts: dict[str, Any] = request.extensions.get("timeout", {})
         key: Key = (url.host, url.port or 80)
         body = await request.aread()
@@ -239,3 +246,5 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
             for conn in stack:
                 conn.close()
             stack.clear()
+        if self._tls is not None:
+            await self._tls.aclose()

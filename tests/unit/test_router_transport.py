@@ -157,3 +157,16 @@ async def test_garbage_is_a_protocol_error(client: httpx.AsyncClient) -> None:
     async with Server(garbage) as url:
         with pytest.raises(httpx.RemoteProtocolError):
             await client.get(url + "/")
+
+
+async def test_https_goes_through_httpx_own_transport() -> None:
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+
+    async with Server(hang) as url:
+        pass  # nothing listens there any more
+    transport = KeepAliveTransport()
+    async with httpx.AsyncClient(transport=transport, timeout=2) as c:
+        # Not "unsupported protocol": TLS is attempted (and the connection refused).
+        with pytest.raises(httpx.ConnectError):
+            await c.get(url.replace("http://", "https://") + "/health")
