@@ -52,7 +52,7 @@ from router.pool import Pool, ReplicaState
 log = logging.getLogger("gpupool.router.proxy")
 
 # Request headers forwarded to a replica (the client's Authorization is the router's business).
-_FORWARD = {b"content-type", b"accept", b"x-request-id", b"user-agent"}
+_FORWARD = {b"content-type", b"content-encoding", b"accept", b"x-request-id", b"user-agent"}
 # Response headers not passed back (hop-by-hop, or set by our own server/middleware).
 _DROP = {
     b"connection",
