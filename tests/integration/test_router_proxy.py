@@ -204,3 +204,28 @@ def test_metrics_count_picks_and_requests(fleet: tuple[Proc, Proc, Proc]) -> Non
     assert 'gpupool_router_replica_picks_total{replica="a"}' in text
     assert 'gpupool_router_requests_total{status="200"}' in text
     assert "gpupool_router_upstream_latency_seconds_bucket" in text
+
+
+def test_real_torch_replicas_behind_the_router() -> None:
+    """Two builtin:tiny-random replicas (the real transformers engine) through the SDK."""
+    openai = pytest.importorskip("openai")
+    with (
+        replica_process("--model", "builtin:tiny-random") as a,
+        replica_process("--model", "builtin:tiny-random") as b,
+        router_process(f"--replica=a={a.url}", f"--replica=b={b.url}") as router,
+    ):
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        for _ in range(4):
+            done = client.chat.completions.create(
+                model="tiny-random",
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=4,
+            )
+            assert done.usage is not None and done.usage.completion_tokens == 4
+        chunks = list(
+            client.completions.create(model="tiny-random", prompt="hi", max_tokens=3, stream=True)
+        )
+        assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 1
+        state = replicas(router)
+        assert state["a"]["picks"] + state["b"]["picks"] == 5
+        assert state["a"]["model"] == state["b"]["model"] == "tiny-random"
