@@ -75,7 +75,7 @@ def test_stream_reaches_the_client_while_the_replica_still_generates(
     fleet: tuple[Proc, Proc, Proc],
 ) -> None:
     a, b, router = fleet
-    body = {"model": "simulated", "prompt": "hi", "max_tokens": 40, "stream": True}
+    body = {"model": "simulated", "prompt": "hi", "max_tokens": 100, "stream": True}  # ~2 s
     with (
         httpx.Client(timeout=30) as client,
         client.stream("POST", router.url + "/v1/completions", json=body) as r,
@@ -90,7 +90,7 @@ def test_stream_reaches_the_client_while_the_replica_still_generates(
         assert in_flight == 1
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
-    assert len(rest) >= 39
+    assert len(rest) >= 99
 
 
 def test_openai_sdk_through_the_router(fleet: tuple[Proc, Proc, Proc]) -> None:
@@ -175,7 +175,7 @@ def test_router_drain_refuses_new_work_and_finishes_in_flight(
     fleet: tuple[Proc, Proc, Proc],
 ) -> None:
     _, _, router = fleet
-    body = {"model": "simulated", "prompt": "hi", "max_tokens": 30, "stream": True}
+    body = {"model": "simulated", "prompt": "hi", "max_tokens": 150, "stream": True}  # ~3 s
     with (
         httpx.Client(timeout=30) as client,
         client.stream("POST", router.url + "/v1/completions", json=body) as r,
