@@ -194,3 +194,59 @@ async def test_dns_discovery_feeds_the_pool(clock: FakeClock) -> None:
         names = [r["name"] for r in (await c.get("/replicas")).json()["replicas"]]
         assert names == ["10.0.0.8:9100"]
     await upstream.aclose()
+
+
+async def test_oversized_body_is_413_before_any_replica_sees_it(clock: FakeClock) -> None:
+    replicas = Replicas(a=ok)
+    settings = RouterSettings(
+        router=RouterConfig(health_interval_s=3600),
+        replicas=[ReplicaSpec(name="a", url="http://a:9100")],
+        max_body_bytes=1024,
+    )
+    upstream = httpx.AsyncClient(transport=httpx.MockTransport(replicas))
+    app = create_app(settings, client=upstream, clock=clock, env={})
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://router") as c,
+    ):
+        r = await c.post("/v1/completions", json={"prompt": "x" * 2000})
+        assert r.status_code == 413 and "1024 bytes" in r.json()["error"]["message"]
+        bad = await c.post("/replicas", json={"url": "localhost:9100"})
+        assert bad.status_code == 400 and "http://" in bad.json()["error"]["message"]
+        missing = await c.post("/replicas", json={})
+        assert missing.status_code == 422 and "url" in missing.json()["error"]["message"]
+    assert replicas.calls == {}
+    await upstream.aclose()
+
+
+async def test_slow_replica_is_504(clock: FakeClock) -> None:
+    def slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("no data", request=request)
+
+    async for _, c in running(Replicas(a=slow), clock, request_timeout_s=7):
+        r = await generate(c)
+    assert r.status_code == 504
+    assert r.json()["error"]["type"] == "timeout_error" and "7s" in r.json()["error"]["message"]
+
+
+class _BreaksMidway(httpx.AsyncByteStream):
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b'data: {"choices": [{"text": "one"}]}\n\n'
+        raise httpx.ReadError("connection reset by peer")
+
+
+async def test_stream_cut_ends_with_an_error_event_not_done(clock: FakeClock) -> None:
+    def cut(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, stream=_BreaksMidway()
+        )
+
+    async for app, c in running(Replicas(a=cut), clock):
+        r = await c.post("/v1/completions", json={"prompt": "hi", "stream": True})
+        replica = app.state.pool.get("a")
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0]) == {"choices": [{"text": "one"}]}
+    error = json.loads(events[-1])["error"]
+    assert error["type"] == "upstream_error" and "connection reset" in error["message"]
+    assert "[DONE]" not in r.text
+    assert replica.in_flight == 0 and replica.errors >= 1
