@@ -5,15 +5,12 @@ Rules:
 - Retry on a different replica after a connection failure (refused, reset, closed before an
   answer), or a 429/503 from the replica, only while no byte has gone to the client; at most
   ``max_attempts`` attempts, and retries are drawn from a ``RetryBudget``.
-- A failure to connect ejects the replica at once (the poller brings it back).
+- A failure to connect ejects the replica at once; other failures and 5xx answers are counted
+  toward outlier ejection (rules in ``router/outcomes.py``).
 - Non-streaming answers are read whole before anything is sent, so a failure while reading
   one is still retried. SSE answers (``text/event-stream``) are passed through chunk by chunk;
   once one started, it is never retried: a cut ends it with ``data: {"error": {...}}``.
-- Other 5xx answers are passed through (the request may have run), and counted: ``fail_threshold``
-  consecutive 500/502s eject the replica with an exponential back-off (outlier ejection), so a
-  replica that fails every request while its /health looks fine is kept out of rotation; after
-  the back-off the poller may readmit it, and a single further 5xx ejects it again (longer).
-  504 is a slow request, not a broken replica, and 503 is retried, so neither counts.
+- Other 5xx answers are passed through as they are (the request may have run).
 - A client that disconnects cancels the upstream request (the connection to the replica is
   closed, which the replica treats as a cancel).
 """
@@ -21,18 +18,16 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from common.config import RouterConfig
-from common.protocol import ErrorBody
+from router import wire
 from router.auth import Keys
 from router.budget import RetryBudget
 from router.errors import (
@@ -46,23 +41,10 @@ from router.errors import (
 )
 from router.health import CompletionRate
 from router.metrics import RouterMetrics
+from router.outcomes import Outcomes
 from router.policy import Refusal, choose, refusal
 from router.pool import Pool, ReplicaState
 
-log = logging.getLogger("gpupool.router.proxy")
-
-# Request headers forwarded to a replica (the client's Authorization is the router's business).
-_FORWARD = {b"content-type", b"content-encoding", b"accept", b"x-request-id", b"user-agent"}
-# Response headers not passed back (hop-by-hop, or set by our own server/middleware).
-_DROP = {
-    b"connection",
-    b"keep-alive",
-    b"transfer-encoding",
-    b"content-length",
-    b"server",
-    b"date",
-    b"x-request-id",
-}
 _TRANSPORT_ERRORS = (
     httpx.ConnectError,
     httpx.ConnectTimeout,
@@ -121,6 +103,7 @@ class Proxy:
         self.transport: httpx.AsyncBaseTransport | None = None
         self.budget = RetryBudget(config.retry_budget_ratio, clock)
         self.rate = CompletionRate(clock)
+        self.outcomes = Outcomes(pool, config, self.rate, clock)
         self.timeout = httpx.Timeout(
             config.request_timeout_s,
             connect=config.connect_timeout_s,
@@ -137,7 +120,7 @@ class Proxy:
         info: dict[str, Any] = scope.setdefault("state", {})
         request_id = str(info.get("request_id") or "")
         try:
-            self.keys.check(_header(scope, b"authorization"), admin=False)
+            self.keys.check(wire.header(scope, b"authorization"), admin=False)
             body = await self._read_body(receive)
             if self.draining:
                 self.metrics.rejections.labels("draining").inc()
@@ -207,28 +190,28 @@ class Proxy:
         path = scope["path"]
         query = scope.get("query_string", b"")
         target = path + ("?" + query.decode("latin-1") if query else "")
-        headers = [(k, v) for k, v in scope["headers"] if k in _FORWARD]
-        if request_id and not any(k == b"x-request-id" for k, _ in headers):
-            headers.append((b"x-request-id", request_id.encode()))
+        headers = wire.forwarded_headers(scope, request_id)
         try:
             outcome = await self._exchange(scope["method"], target, headers, body, info)
         except RouterError as exc:
             answer = error_response(exc)
             self.metrics.requests.labels(str(answer.status_code)).inc()
             state["done"] = True  # from here on a disconnect needs no cancel
-            await answer(scope, _no_receive, send)
+            await answer(scope, wire.no_receive, send)
             return
         if isinstance(outcome, _Stored):
             self.metrics.requests.labels(str(outcome.status)).inc()
             state["done"] = True
-            await _send_whole(send, outcome.status, outcome.headers, outcome.body)
+            await wire.send_whole(send, outcome.status, outcome.headers, outcome.body)
             return
         response, replica, content = outcome
         self.metrics.requests.labels(str(response.status_code)).inc()
         if content is not None:
-            self._finish(replica, response.status_code)
+            self.outcomes.finish(replica, response.status_code)
             state["done"] = True
-            await _send_whole(send, response.status_code, _pass_headers(response), content)
+            await wire.send_whole(
+                send, response.status_code, wire.passed_headers(response), content
+            )
             return
         await self._stream(send, response, replica, state)
 
@@ -278,31 +261,29 @@ class Proxy:
                 content = await response.aread()
                 await response.aclose()
             except _TRANSPORT_ERRORS as exc:
-                self._release(replica)
-                failure = f"replica {replica.name} failed: {_describe(exc)}"
+                self.outcomes.release(replica)
+                failure = f"replica {replica.name} failed: {wire.describe(exc)}"
                 if isinstance(exc, _CONNECT_ERRORS):
-                    self.eject(replica, failure)
+                    self.outcomes.eject(replica, failure)
                 else:
-                    replica.errors += 1
-                    replica.last_error = failure
+                    self.outcomes.failed(replica, failure)
                 info["retry_reason"] = "connection"
                 continue
             except asyncio.CancelledError:
-                self._release(replica)
+                self.outcomes.release(replica)
                 raise
             except httpx.TimeoutException as exc:
-                self._release(replica)
-                replica.errors += 1
-                replica.last_error = f"timed out: {_describe(exc)}"
+                self.outcomes.release(replica)
+                self.outcomes.failed(replica, f"timed out: {wire.describe(exc)}")
                 raise UpstreamTimeout(
                     f"replica {replica.name} did not answer within "
                     f"{self.config.request_timeout_s:g}s"
                 ) from exc
             status = response.status_code
             if status in (429, 503):
-                self._release(replica)
-                self._note_refusal(replica, status)
-                stored = _Stored(status, _pass_headers(response), content)
+                self.outcomes.release(replica)
+                self.outcomes.refused(replica, status)
+                stored = _Stored(status, wire.passed_headers(response), content)
                 info["retry_reason"] = str(status)
                 continue
             return response, replica, content
@@ -355,7 +336,7 @@ class Proxy:
                 {
                     "type": "http.response.start",
                     "status": response.status_code,
-                    "headers": _pass_headers(response),
+                    "headers": wire.passed_headers(response),
                 }
             )
             try:
@@ -364,102 +345,24 @@ class Proxy:
             except (httpx.HTTPError, OSError) as exc:
                 if isinstance(exc, OSError):
                     raise _ClientGone from exc
-                reason = f"stream from replica {replica.name} broke: {_describe(exc)}"
+                reason = f"stream from replica {replica.name} broke: {wire.describe(exc)}"
                 finished = True
-                self._finish(replica, 502)
+                self.outcomes.finish(replica, 502)
                 if isinstance(exc, _CONNECT_ERRORS):
-                    self.eject(replica, reason)
+                    self.outcomes.eject(replica, reason)
                 await send(
                     {
                         "type": "http.response.body",
-                        "body": _sse_error(reason),
+                        "body": wire.sse_error(reason),
                         "more_body": True,
                     }
                 )
             if not finished:
                 finished = True
-                self._finish(replica, response.status_code)
+                self.outcomes.finish(replica, response.status_code)
             state["done"] = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             if not finished:
-                self._release(replica)
+                self.outcomes.release(replica)
             await response.aclose()
-
-    # ---- bookkeeping -------------------------------------------------------------------
-
-    def _release(self, replica: ReplicaState) -> None:
-        replica.in_flight -= 1
-        self.pool.reap(replica)
-
-    def _finish(self, replica: ReplicaState, status: int) -> None:
-        self._release(replica)
-        self.rate.record()
-        if status >= 500 and status not in (503, 504):
-            replica.errors += 1
-            replica.consecutive_5xx += 1
-            replica.last_error = f"answered {status}"
-            if replica.consecutive_5xx >= self.config.fail_threshold:
-                backoff = min(self.config.health_interval_s * 2**replica.error_ejections, 60.0)
-                replica.error_ejections += 1
-                replica.ejected_until = self.clock() + backoff
-                self.eject(replica, f"{replica.consecutive_5xx} consecutive {status} answers")
-        elif status < 500:
-            replica.consecutive_5xx = 0
-            replica.error_ejections = 0
-
-    def _note_refusal(self, replica: ReplicaState, status: int) -> None:
-        """A replica said 429 (full) or 503 (not ready): believe it until its next report."""
-        replica.last_error = f"answered {status}"
-        if status == 503:
-            replica.ready = False
-        else:
-            replica.reported_in_flight = replica.max_concurrency
-            replica.reported_queued = replica.max_queue
-            replica.own_at_report = replica.in_flight
-
-    def eject(self, replica: ReplicaState, reason: str) -> None:
-        """Take a replica out of rotation now; the poller readmits it after successes."""
-        replica.errors += 1
-        replica.last_error = reason
-        replica.consecutive_successes = 0
-        if replica.healthy:
-            replica.healthy = False
-            replica.ejections += 1
-            log.warning("ejected replica %s: %s", replica.name, reason)
-
-
-# ---- helpers -------------------------------------------------------------------------------
-
-
-async def _no_receive() -> Message:
-    return {"type": "http.disconnect"}
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return bytes(value).decode("latin-1")
-    return None
-
-
-def _pass_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in response.headers.raw if k.lower() not in _DROP]
-
-
-async def _send_whole(
-    send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes
-) -> None:
-    headers = [*headers, (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def _sse_error(message: str) -> bytes:
-    body = ErrorBody.make(message, "upstream_error", code="stream_interrupted")
-    return b"data: " + json.dumps(body.model_dump()).encode() + b"\n\n"
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
