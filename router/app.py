@@ -12,9 +12,7 @@ import gc
 import logging
 import os
 import random
-import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -23,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.auth import Keys
 from router.discovery import DnsDiscoverer, Resolver, system_resolver
@@ -32,13 +30,13 @@ from router.health import HealthPoller
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.pool import Pool, ReplicaState
 from router.proxy import Proxy
+from router.requestlog import RequestLog
 from router.settings import RouterSettings
 from router.transport import KeepAliveTransport
 
 log = logging.getLogger("gpupool.router")
 
 PROXIED = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate")
-_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 class AddReplica(BaseModel):
@@ -65,52 +63,6 @@ def make_client(
         ),
         trust_env=False,
     )
-
-
-class RequestLog:
-    """Pure ASGI middleware: accept or create X-Request-ID, return it, log one line per request."""
-
-    def __init__(self, app: ASGIApp, clock: Callable[[], float]) -> None:
-        self.app = app
-        self.clock = clock
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given = None
-        for key, value in scope["headers"]:
-            if key == b"x-request-id":
-                given = value.decode("latin-1")
-                break
-        request_id = given if given and _ID_OK.match(given) else uuid.uuid4().hex
-        info: dict[str, Any] = scope.setdefault("state", {})
-        info["request_id"] = request_id
-        status = [0]
-        raw_id = request_id.encode()
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-                message["headers"] = [*message.get("headers", ()), (b"x-request-id", raw_id)]
-            await send(message)
-
-        started = self.clock()
-        try:
-            await self.app(scope, receive, send_with_id)
-        finally:
-            if scope["path"] != "/health" or status[0] != 200:
-                log.info(
-                    "%s %s %s %d replica=%s attempts=%s %.1fms%s",
-                    request_id,
-                    scope["method"],
-                    scope["path"],
-                    status[0],
-                    info.get("replica", "-"),
-                    info.get("attempts", 0),
-                    (self.clock() - started) * 1000,
-                    f" ({info['status_note']})" if "status_note" in info else "",
-                )
 
 
 class RouterApp(FastAPI):
