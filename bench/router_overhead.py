@@ -47,6 +47,7 @@ class Phase:
     p50_ms: float
     p90_ms: float
     p99_ms: float
+    max_ms: float
     mean_ms: float
     rps: float
     router_cpu_s: float | None = None
@@ -225,6 +226,7 @@ def summarise(name: str, samples: Samples) -> Phase:
         p50_ms=round(pct(50), 3),
         p90_ms=round(pct(90), 3),
         p99_ms=round(pct(99), 3),
+        max_ms=round(ms[-1], 3),
         mean_ms=round(statistics.fmean(ms), 3),
         rps=round(len(ms) / seconds, 1),
         router_cpu_s=round(router_cpu, 3) if router_cpu is not None else None,
