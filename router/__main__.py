@@ -19,20 +19,20 @@ from common.gpu import list_gpus
 from router.app import create_app
 from router.settings import ReplicaSpec, RouterSettings, from_deployment
 
-# Flag name -> RouterConfig field, for the knobs that may be set on the command line.
-_KNOBS: dict[str, type] = {
-    "health_interval_s": float,
-    "health_timeout_s": float,
-    "fail_threshold": int,
-    "success_threshold": int,
-    "min_free_memory_mb": int,
-    "max_attempts": int,
-    "retry_budget_ratio": float,
-    "request_timeout_s": float,
-    "connect_timeout_s": float,
-    "drain_timeout_s": float,
-    "api_keys_env": str,
-    "admin_keys_env": str,
+# RouterConfig fields that may be set on the command line: (type, help).
+_KNOBS: dict[str, tuple[type, str]] = {
+    "health_interval_s": (float, "seconds between /health probes of each replica (1.0)"),
+    "health_timeout_s": (float, "deadline of one probe (1.0)"),
+    "fail_threshold": (int, "failed probes (or 5xx answers) in a row that eject (2)"),
+    "success_threshold": (int, "good probes in a row that bring a replica back (1)"),
+    "min_free_memory_mb": (int, "a GPU replica with less free memory takes no new work (1024)"),
+    "max_attempts": (int, "attempts per request across replicas; 1 = never retry (3)"),
+    "retry_budget_ratio": (float, "retries allowed as a share of recent requests (0.2)"),
+    "request_timeout_s": (float, "longest silence from a replica within a request (300)"),
+    "connect_timeout_s": (float, "deadline to connect to a replica (2.0)"),
+    "drain_timeout_s": (float, "on SIGTERM, how long in-flight requests may run (30)"),
+    "api_keys_env": (str, "env var with comma-separated API keys (GPUPOOL_API_KEYS)"),
+    "admin_keys_env": (str, "env var with comma-separated admin keys (GPUPOOL_ADMIN_KEYS)"),
 }
 
 
@@ -63,8 +63,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="upstream HTTP client (lean: the router's own transport; httpx: httpx's pool)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    for knob, kind in _KNOBS.items():
-        p.add_argument("--" + knob.replace("_", "-"), type=kind, default=None)
+    for knob, (kind, text) in _KNOBS.items():
+        p.add_argument("--" + knob.replace("_", "-"), type=kind, default=None, help=text)
     return p.parse_args(argv)
 
 
