@@ -64,7 +64,7 @@ async def _parse(request: Request, state: ReplicaState, model: type[M]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from exc
+        raise RequestValidationError(exc.errors(include_url=False)) from exc
 
 
 def _params(
@@ -101,7 +101,8 @@ def _check_n(n: int) -> None:
         )
 
 
-def _check_chars(state: ReplicaState, text: str, param: str) -> None:
+def _check_text(state: ReplicaState, text: str, param: str) -> None:
+    """The character cap (before any tokenizing), then that the text is encodable Unicode."""
     cap = state.settings.model.input_char_limit
     if len(text) > cap:
         raise InvalidRequest(
@@ -109,6 +110,14 @@ def _check_chars(state: ReplicaState, text: str, param: str) -> None:
             f"(max_input_chars)",
             param=param,
         )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone UTF-16 surrogate such as "\ud800"
+        raise InvalidRequest(
+            f"{param} is not valid Unicode: unpaired surrogate {text[exc.start]!r} "
+            f"at character {exc.start}",
+            param=param,
+        ) from exc
 
 
 def _check_tokens(state: ReplicaState, prompt: str, param: str) -> int:
@@ -130,9 +139,14 @@ def _chat_messages(messages: list[MessageIn]) -> list[ChatMessage]:
         if isinstance(m.content, list):
             parts = []
             for part in m.content:
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise InvalidRequest(
                         f"messages.{i}.content: only text parts are supported, got {part.type!r}",
+                        param=f"messages.{i}.content",
+                    )
+                if part.text is None:
+                    raise InvalidRequest(
+                        f"messages.{i}.content: a text part needs a 'text' string",
                         param=f"messages.{i}.content",
                     )
                 parts.append(part.text)
@@ -157,7 +171,7 @@ async def completions(request: Request) -> Response:
         prompt = prompt[0]
     if not prompt:
         raise InvalidRequest("prompt must not be empty", param="prompt")
-    _check_chars(state, prompt, "prompt")
+    _check_text(state, prompt, "prompt")
     params = _params(state, body.max_tokens, 16, body.temperature, body.top_p, body.seed, body.stop)
     state.check_ready()
     _check_tokens(state, prompt, "prompt")
@@ -172,7 +186,7 @@ async def chat_completions(request: Request) -> Response:
     body = await _parse(request, state, ChatRequest)
     _check_n(body.n)
     messages = _chat_messages(body.messages)
-    _check_chars(state, "".join(m.content for m in messages), "messages")
+    _check_text(state, "".join(m.content for m in messages), "messages")
     wanted = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
@@ -202,7 +216,7 @@ async def generate(request: Request) -> Response:
     body = await _parse(request, state, GenerateRequest)
     if not body.text:
         raise InvalidRequest("text must not be empty", param="text")
-    _check_chars(state, body.text, "text")
+    _check_text(state, body.text, "text")
     limit = state.settings.model.max_new_tokens
     params = _params(
         state, body.max_tokens, limit, body.temperature, body.top_p, body.seed, body.stop

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -109,6 +110,15 @@ def _json(status: int, body: ErrorBody, headers: Mapping[str, str] | None = None
     return JSONResponse(body.model_dump(), status_code=status, headers=dict(headers or {}))
 
 
+def _got(err: Mapping[str, Any]) -> str:
+    """``, got VALUE`` for a scalar input (so the message names the value), else ``""``."""
+    value = err.get("input")
+    if err.get("type") == "missing" or not isinstance(value, (str, int, float)):
+        return ""
+    shown = repr(value)
+    return f", got {shown if len(shown) <= 40 else shown[:37] + '...'}"
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, bool]:
     """(message, param, is_malformed_json) naming the first bad field."""
     problems = []
@@ -119,7 +129,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, b
         loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
         field = ".".join(loc) or "body"
         param = param or field
-        problems.append(f"{field}: {err.get('msg', 'invalid')}")
+        problems.append(f"{field}: {err.get('msg', 'invalid')}{_got(err)}")
     return "invalid request: " + "; ".join(problems[:5]), param, False
 
 

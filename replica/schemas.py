@@ -11,6 +11,10 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+# The range a torch generator takes (a seed outside it would fail inside the engine).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
@@ -20,7 +24,7 @@ class _Sampling(_Lenient):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -52,5 +56,5 @@ class GenerateRequest(_Lenient):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None

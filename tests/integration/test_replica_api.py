@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 
@@ -26,6 +27,7 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
+JSON = {"content-type": "application/json"}
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
 
 
@@ -181,8 +183,29 @@ async def test_models_lists_the_model(client: httpx.AsyncClient) -> None:
         ),
         ("/v1/completions", {"prompt": 5}, 422, ["prompt"]),
         ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 422, ["max_tokens"]),
-        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 422, ["max_tokens"]),
-        ("/v1/completions", {"prompt": "hi", "temperature": 3}, 422, ["temperature"]),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 422, ["max_tokens", "got 0"]),
+        ("/v1/completions", {"prompt": "hi", "temperature": 3}, 422, ["temperature", "got 3"]),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "seed": 2**64},
+            422,
+            ["seed", "18446744073709551615", "got 18446744073709551616"],
+        ),
+        ("/generate", {"text": "hi", "seed": -(2**63) - 1}, 422, ["seed", "greater than"]),
+        ("/v1/completions", {"prompt": "a \ud800 b"}, 400, ["prompt is not valid Unicode"]),
+        ("/generate", {"text": "\udfff"}, 400, ["text is not valid Unicode", "at character 0"]),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "ok \ud83d"}]},
+            400,
+            ["messages is not valid Unicode", "unpaired surrogate"],
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            400,
+            ["messages.0.content", "needs a 'text' string"],
+        ),
         ("/v1/completions", {"max_tokens": 3}, 422, ["prompt", "required"]),
         (
             "/v1/chat/completions",
@@ -197,7 +220,8 @@ async def test_models_lists_the_model(client: httpx.AsyncClient) -> None:
 async def test_bad_input_is_a_clear_4xx(
     client: httpx.AsyncClient, path: str, payload: object, status: int, needles: list[str]
 ) -> None:
-    r = await client.post(path, json=payload)
+    # json.dumps escapes non-ASCII (httpx's json= would refuse a lone surrogate)
+    r = await client.post(path, content=json.dumps(payload), headers=JSON)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error"

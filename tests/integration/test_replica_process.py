@@ -3,6 +3,7 @@ flags and errors, --config/--replica, and a graceful SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -99,6 +100,24 @@ def test_sdk_sees_our_error_message(simulated: Proc) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         sdk(simulated).completions.create(model="x", prompt="hi", max_tokens=100_000)
     assert "max_new_tokens" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "needle"),
+    [
+        ({"text": "hi", "max_tokens": 2, "seed": 10**23}, 422, "seed"),
+        ({"text": "hi \ud800", "max_tokens": 2}, 400, "not valid Unicode"),
+    ],
+)
+def test_input_the_torch_engine_would_choke_on_is_a_4xx(
+    tiny: Proc, payload: dict[str, object], status: int, needle: str
+) -> None:
+    body = json.dumps(payload)  # escapes a lone surrogate, which httpx's json= refuses
+    bad = httpx.post(tiny.url + "/generate", content=body, timeout=30)
+    fine = httpx.post(tiny.url + "/generate", json={"text": "hi", "max_tokens": 2}, timeout=30)
+    assert bad.status_code == status, bad.text
+    assert needle in bad.json()["error"]["message"]
+    assert fine.status_code == 200
 
 
 def test_health_of_a_process(simulated: Proc) -> None:
