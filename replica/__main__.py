@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         app = create_app(settings, on_load_failed=stop_on_failure)
-    except ModelLoadError as exc:
+    except (ModelLoadError, ConfigError) as exc:
         print(f"replica: error: {exc}", file=sys.stderr)
         return 2
     config = uvicorn.Config(

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.config import ReplicaSettings
+from common.config import ConfigError, ReplicaSettings
 from common.gpu import GpuProbe, NoGpuProbe, NvmlProbe
 from common.protocol import REQUEST_ID_HEADER, ErrorBody
 from replica.api import router
@@ -50,11 +50,17 @@ def build_engine(settings: ReplicaSettings) -> Engine:
 
 
 def build_probe(settings: ReplicaSettings, engine: Engine) -> GpuProbe:
+    """The engine's own probe (simulated), NVML for ``cuda[:N]``, none on CPU.
+
+    ConfigError when ``cuda:N`` is not among the GPUs ``CUDA_VISIBLE_DEVICES`` leaves visible."""
     if isinstance(engine, SimulatedEngine):
         return engine.probe
     if settings.device.startswith("cuda"):
         ordinal = int(settings.device[5:]) if settings.device.startswith("cuda:") else 0
-        return NvmlProbe(os.environ, ordinal)
+        try:
+            return NvmlProbe(os.environ, ordinal)
+        except ValueError as exc:
+            raise ConfigError(f"--device {settings.device}: {exc}") from exc
     return NoGpuProbe()
 
 

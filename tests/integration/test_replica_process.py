@@ -4,6 +4,7 @@ flags and errors, --config/--replica, and a graceful SIGTERM."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -128,7 +129,9 @@ def test_health_of_a_process(simulated: Proc) -> None:
     assert body["memory"]["used_bytes"] >= 500 * 1024 * 1024
 
 
-def run_main(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run_main(
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "replica", *args],
         cwd=REPO,
@@ -136,6 +139,7 @@ def run_main(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str
         text=True,
         timeout=timeout,
         stdin=subprocess.DEVNULL,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -154,6 +158,21 @@ def test_bad_flags_are_one_line_and_exit_2(args: list[str], needle: str) -> None
     done = run_main(*args, "--port", str(free_port()))
     assert done.returncode == 2
     assert needle in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_cuda_ordinal_hidden_by_cuda_visible_devices_is_one_line_and_exit_2() -> None:
+    done = run_main(
+        "--model",
+        "builtin:tiny-random",
+        "--device",
+        "cuda:1",
+        "--port",
+        str(free_port()),
+        env={"CUDA_VISIBLE_DEVICES": "0"},
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "cuda:1 is not visible with CUDA_VISIBLE_DEVICES='0'" in done.stderr
     assert "Traceback" not in done.stderr
 
 
