@@ -68,7 +68,7 @@ async def send(
         return await _send_plain(client, spec, prompt, clock, start)
     except httpx.TimeoutException:
         return RequestResult(status=None, error="timeout")
-    except httpx.TransportError as exc:
+    except httpx.HTTPError as exc:  # connection, protocol, decoding: no usable answer
         return RequestResult(status=None, error=f"transport:{type(exc).__name__}")
 
 
@@ -100,7 +100,9 @@ async def _send_stream(
     client: httpx.AsyncClient, spec: RequestSpec, prompt: Prompt, clock: Clock, start: float
 ) -> RequestResult:
     ttft: float | None = None
-    last: float | None = None
+    last_text: float | None = None
+    first_choice: float | None = None  # events with choices: where E2E ends (the last, as vllm)
+    last_choice: float | None = None
     gaps: list[float] = []
     chunks = 0
     usage: dict[str, Any] = {}
@@ -128,20 +130,26 @@ async def _send_stream(
                 return RequestResult(status=None, error="stream_error", oom=oom)
             if isinstance(event.get("usage"), dict):
                 usage = event["usage"]
+            if not event.get("choices"):
+                continue
+            now = clock()
+            first_choice = now if first_choice is None else first_choice
+            last_choice = now
             if _has_text(event):
-                now = clock()
                 chunks += 1
                 if ttft is None:
                     ttft = now - start
-                elif last is not None:
-                    gaps.append(now - last)
-                last = now
-    latency = clock() - start
+                elif last_text is not None:
+                    gaps.append(now - last_text)
+                last_text = now
+    if first_choice is None or last_choice is None:
+        # As vllm: a stream that never carried a choice has nothing to time; a failure.
+        return RequestResult(status=None, error="no_chunks")
     return RequestResult(
         status=200,
         ok=True,
-        ttft_s=ttft if ttft is not None else latency,
-        latency_s=latency,
+        ttft_s=(ttft if ttft is not None else first_choice - start),
+        latency_s=last_choice - start,
         itl_s=tuple(gaps),
         output_tokens=_count(usage, "completion_tokens", chunks),
         prompt_tokens=_count(usage, "prompt_tokens", 0),

@@ -1,15 +1,21 @@
 """Pure computations of a ladder: per-request results in, one summary per level out.
 
-Definitions follow ``vllm bench serve`` so figures compare with that tool's:
+Definitions follow ``vllm bench serve`` (``vllm/benchmarks/serve.py`` and its request functions)
+so figures compare with that tool's:
 
-- TTFT: request sent -> first chunk carrying generated text (stream). Without ``--stream`` the
-  client sees nothing before the whole answer, so TTFT equals E2E there.
+- TTFT: request sent -> first stream event carrying generated text. (vllm takes the first event
+  with any choice; vLLM and our replica send the chat role chunk together with the first token,
+  so the two agree, and a server that sends its role preamble early is not credited for it.)
+  Without ``--stream`` the client sees nothing before the whole answer, so TTFT equals E2E there.
+- E2E: request sent -> the last stream event carrying a choice (the last token or the finish
+  reason), as vllm; the trailing usage event and ``[DONE]`` do not count. Without ``--stream``:
+  the whole response. A 200 stream that never carries a choice is a failure (``no_chunks``).
 - TPOT: (E2E - TTFT) / (output_tokens - 1), only for requests with more than one output token
   (the first token is excluded); for goodput a request with <= 1 token has TPOT 0.
-- ITL: every gap between successive text chunks, pooled over all requests of the level.
-- E2E: request sent -> last byte of the answer.
-- Goodput: requests that succeeded AND met every given SLO (metric <= SLO). We report it as a
-  share of ALL requests sent in the level (rejections and errors count against it) and as a rate.
+- ITL: every gap between successive events carrying text, pooled over all requests of the level.
+- Goodput: requests that succeeded AND met every given SLO (metric <= SLO). vllm reports it as a
+  rate (``goodput_rate`` here); we also report it as a share of ALL requests sent in the level, so
+  rejections and errors count against it.
 
 Percentiles interpolate linearly between order statistics (numpy's default), so p50/p90/p99
 match ``numpy.percentile`` on the same samples.

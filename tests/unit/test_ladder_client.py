@@ -37,20 +37,40 @@ SPEC = RequestSpec(base_url="http://r", endpoint="chat", model="m", max_tokens=8
 async def test_stream_timing_follows_chunks_and_tokens_come_from_usage() -> None:
     chunk = {"choices": [{"delta": {"content": "tok"}}]}
     body = sse(
-        {"choices": [{"delta": {"role": "assistant"}}]},  # no text: not a token
+        {"choices": [{"delta": {"role": "assistant"}}]},  # no text: not a token (clock 1)
+        chunk,  # first token (clock 2)
         chunk,
         chunk,
-        chunk,
-        {"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 5}},
+        {"choices": [{"delta": {}, "finish_reason": "stop"}]},  # E2E ends here (clock 5)
+        {"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 5}},  # not timed
     )
     seen: list[dict[str, object]] = []
     async with client_for(200, body, seen) as client:
         r = await send(client, SPEC, Prompt(text="hi"), clock=ticking())
     assert r.ok and r.streamed
-    assert r.ttft_s == 1.0 and r.itl_s == (1.0, 1.0) and r.latency_s == 4.0
+    assert r.ttft_s == 2.0 and r.itl_s == (1.0, 1.0) and r.latency_s == 5.0
+    assert r.tpot_s == 3.0 / 4  # (E2E - TTFT) / (5 tokens - 1)
     assert (r.prompt_tokens, r.output_tokens) == (11, 5)
     assert seen[0]["stream_options"] == {"include_usage": True}
     assert seen[0]["messages"] == [{"role": "user", "content": "hi"}]
+
+
+async def test_a_stream_without_any_choice_is_a_failure_as_in_vllm() -> None:
+    body = sse({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 0}})
+    async with client_for(200, body, []) as client:
+        r = await send(client, SPEC, Prompt(text="hi"))
+    assert not r.ok and r.failure_key == "no_chunks"
+
+
+async def test_an_undecodable_answer_is_a_failure_not_a_crash() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-encoding": "gzip"}, content=b"not gzip")
+
+    plain = RequestSpec(base_url="http://r", endpoint="chat", model="m", max_tokens=8, stream=False)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        for spec in (SPEC, plain):
+            r = await send(client, spec, Prompt(text="hi"))
+            assert not r.ok and r.failure_key == "transport:DecodingError"
 
 
 async def test_rejection_oom_and_stream_error_are_told_apart() -> None:
