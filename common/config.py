@@ -15,7 +15,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 
@@ -24,14 +33,26 @@ class ConfigError(ValueError):
     """A deployment file or a set of flags that cannot run; the message is for a person."""
 
 
+_NUMBERS: tuple[object, ...] = (int, float, int | None)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML reads yes/no/on/off/true as booleans: never take one for a number."""
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and field.annotation in _NUMBERS:
+            raise ValueError(f"must be a number, not {str(value).lower()}")
+        return value
 
 
 class ModelConfig(_Strict):
     # builtin:smollm2-135m | builtin:tiny-random | /path/to/hf-folder | /path/model.gguf
     # | simulated[:key=value,...]
-    source: str = "builtin:smollm2-135m"
+    source: str = Field("builtin:smollm2-135m", min_length=1)
     # auto: bfloat16 on CUDA, float32 on CPU.
     dtype: Dtype = "auto"
     max_input_tokens: int = Field(2048, ge=1)
@@ -61,6 +82,9 @@ def _parse_devices(value: Any) -> Any:
         )
         if not ok:
             raise ValueError(f'entry {i} must be a GPU index (0, 1, ...) or "cpu", got {entry!r}')
+    gpus = [d for d in value if d != "cpu"]
+    if len(gpus) != len(set(gpus)):
+        raise ValueError(f"GPU indices repeat: {value}")
     return value
 
 
@@ -70,10 +94,11 @@ def _one_cpu() -> list[DeviceEntry]:
 
 class ReplicasConfig(_Strict):
     # A list of GPU indices (NVML numbering) and/or "cpu" entries, or "all" for every GPU.
+    # Empty ([]) only on a router-only host: then remote_replicas or router.discovery is required.
     devices: Annotated[list[DeviceEntry] | Literal["all"], BeforeValidator(_parse_devices)] = Field(
         default_factory=_one_cpu
     )
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", min_length=1)
     port_base: int = Field(9100, ge=1, le=65535)
     max_concurrency: int = Field(1, ge=1)
     max_queue: int = Field(32, ge=0)
@@ -85,16 +110,6 @@ class ReplicasConfig(_Strict):
     headroom_mb: int = Field(1024, ge=0)
     # A replica that crashes this many times in a row is reported and left down.
     max_restarts: int = Field(5, ge=0)
-
-    @model_validator(mode="after")
-    def _devices_not_empty(self) -> ReplicasConfig:
-        if isinstance(self.devices, list) and not self.devices:
-            raise ValueError('devices: give at least one entry, or "all"')
-        if isinstance(self.devices, list):
-            gpus = [d for d in self.devices if d != "cpu"]
-            if len(gpus) != len(set(gpus)):
-                raise ValueError(f"devices: GPU indices repeat: {self.devices}")
-        return self
 
 
 class RemoteReplica(_Strict):
@@ -111,13 +126,13 @@ class RemoteReplica(_Strict):
 class DnsDiscovery(_Strict):
     """Resolve a (headless Service) name periodically; every address becomes a replica."""
 
-    name: str
+    name: str = Field(min_length=1)
     port: int = Field(9100, ge=1, le=65535)
     interval_s: float = Field(5.0, gt=0)
 
 
 class RouterConfig(_Strict):
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(8000, ge=1, le=65535)
     health_interval_s: float = Field(1.0, gt=0)
     health_timeout_s: float = Field(1.0, gt=0)
@@ -177,6 +192,11 @@ class DeploymentConfig(_Strict):
 
     @model_validator(mode="after")
     def _ports_do_not_collide(self) -> DeploymentConfig:
+        if self.replicas.devices == [] and not (self.remote_replicas or self.router.discovery):
+            raise ValueError(
+                'replicas.devices: give at least one entry, or "all" (an empty list is for a '
+                "router-only host, with remote_replicas or router.discovery)"
+            )
         if isinstance(self.replicas.devices, list):
             count = len(self.replicas.devices)
             last = self.replicas.port_base + count - 1
@@ -249,6 +269,11 @@ _MESSAGES = {
     "bool_parsing": "must be true or false",
     "string_type": "must be a string",
     "list_type": "must be a list",
+    "model_type": "must be a mapping (indented key: value lines)",
+    "dict_type": "must be a mapping (indented key: value lines)",
+    "literal_error": "must be one of {expected}",
+    "int_from_float": "must be a whole number",
+    "string_too_short": "must not be empty",
 }
 
 

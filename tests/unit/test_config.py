@@ -131,3 +131,49 @@ def test_multi_host_yaml_names_its_remote_replicas() -> None:
     cfg = load_config(REPO / "configs" / "multi-host.yaml")
     assert cfg.replicas.devices == "all"
     assert [name for name, _ in cfg.remote_endpoints()] == ["gpu-b-0", "gpu-b-1", "gpu-c-0"]
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        (
+            "replicas:\n  max_concurrency: yes\n",
+            "replicas.max_concurrency: must be a number, not true",
+        ),
+        (
+            "replicas:\n  queue_timeout_s: off\n",
+            "replicas.queue_timeout_s: must be a number, not false",
+        ),
+        ("model: builtin:smollm2-135m\n", "model: must be a mapping (indented key: value lines)"),
+        ("remote_replicas:\n  - http://gpu-b:9100\n", "remote_replicas.0: must be a mapping"),
+        ("model:\n  dtype: fp16\n", "model.dtype: must be one of 'auto', 'bfloat16', 'float16' or"),
+        ("replicas:\n  max_queue: 2.5\n", "replicas.max_queue: must be a whole number (got 2.5)"),
+        ("model:\n  source: ''\n", "model.source: must not be empty"),
+        ("router:\n  host: ''\n", "router.host: must not be empty"),
+        ("router:\n  discovery: {name: ''}\n", "router.discovery.name: must not be empty"),
+        (
+            "replicas:\n  devices: [0, cpu, 0]\n",
+            "replicas.devices: GPU indices repeat: [0, 'cpu', 0]",
+        ),
+    ],
+)
+def test_typos_and_wrong_shapes_name_the_field_in_our_words(
+    tmp_path: Path, text: str, line: str
+) -> None:
+    path = tmp_path / "typo.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert line in message
+    assert "Input should" not in message and "instance of" not in message  # no pydantic jargon
+
+
+def test_an_empty_device_list_is_a_router_only_host_and_needs_somewhere_to_route() -> None:
+    assert "give at least one entry" in error_of({"replicas": {"devices": []}})
+    remote = [{"url": "http://gpu-b:9100", "name": "b0"}]
+    cfg = parse_config({"replicas": {"devices": []}, "remote_replicas": remote})
+    assert cfg.replica_settings() == []
+    assert cfg.remote_endpoints() == [("b0", "http://gpu-b:9100")]
+    found = parse_config({"replicas": {"devices": []}, "router": {"discovery": {"name": "svc"}}})
+    assert found.replica_settings() == []
