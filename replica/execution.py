@@ -99,6 +99,7 @@ class Run:
         self._deadline = asyncio.get_running_loop().time() + self._timeout_s
         self._first = True
         self._closed = False
+        self.finished = False  # the engine's Done (or its end) was reached
 
     async def next(self) -> Event | None:
         """The next event, or None when the engine is done; GenerationTimeout past the deadline."""
@@ -106,6 +107,7 @@ class Run:
             async with asyncio.timeout_at(self._deadline) as cm:
                 event = await anext(self._iter)
         except StopAsyncIteration:
+            self.finished = True
             return None
         except TimeoutError as exc:
             if not cm.expired():
@@ -119,6 +121,7 @@ class Run:
             self._first = False
             self._state.metrics.ttft.observe(self._state.clock() - self._arrival)
         if isinstance(event, Done):
+            self.finished = True
             self._state.metrics.prompt_tokens.inc(event.prompt_tokens)
             self._state.metrics.completion_tokens.inc(event.completion_tokens)
             self._info["prompt_tokens"] = event.prompt_tokens
@@ -133,6 +136,13 @@ class Run:
             else:
                 return "".join(parts), event
         raise RuntimeError("engine stream ended without a Done event")
+
+    async def end_stream(self) -> None:
+        """``close()`` for a stream; one that ends before the engine finished and without an
+        error event was cut by its client, and the access log says so."""
+        if not self.finished:
+            self._info.setdefault("stream_error", "client_gone")
+        await self.close()
 
     async def close(self) -> None:
         """Stop generation (frees what the engine holds) and give the slot back; idempotent."""
@@ -226,7 +236,7 @@ async def execute(request: Request, state: ReplicaState, job: Job) -> Response:
         raise
     return GatedStream(
         events(request, state, job, run, first),
-        run.close,
+        run.end_stream,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

@@ -4,8 +4,10 @@ runs; a streaming or running request stops and frees its slot."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
+import pytest
 
 from replica.app import create_app
 from replica.simulated import SimulatedEngine, SimulatedOptions
@@ -41,13 +43,17 @@ async def test_client_gone_while_queued_never_runs() -> None:
     assert 'gpupool_replica_rejections_total{reason="client_gone"} 1.0' in metrics
 
 
-async def test_client_gone_mid_stream_stops_generation_and_frees_the_slot() -> None:
+async def test_client_gone_mid_stream_stops_generation_and_frees_the_slot(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="replica.access")
     engine = SimulatedEngine(SimulatedOptions(decode_ms=20, prefill_ms=0))
     app = create_app(make_settings(max_concurrency=1), engine=engine)
     gate = state_of(app).gate
     payload = {"prompt": "go", "max_tokens": 500, "stream": True}
     async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=10) as client:
-        async with client.stream("POST", "/v1/completions", json=payload) as r:
+        headers = {"X-Request-ID": "cut-1"}
+        async with client.stream("POST", "/v1/completions", json=payload, headers=headers) as r:
             assert r.status_code == 200
             lines = r.aiter_lines()
             got = 0
@@ -56,8 +62,18 @@ async def test_client_gone_mid_stream_stops_generation_and_frees_the_slot() -> N
                     got += 1
         await wait_until(lambda: engine.active == 0 and gate.in_flight == 0, what="slot freed")
         after = await client.post("/generate", json={"text": "x", "max_tokens": 1})
+        whole = await client.post(
+            "/v1/completions", json={**payload, "max_tokens": 2}, headers={"X-Request-ID": "all"}
+        )
     assert after.status_code == 200
-    assert gate.completed == 2
+    assert whole.text.endswith("data: [DONE]\n\n")
+    assert gate.completed == 3
+    lines = [r.getMessage() for r in caplog.records if r.name == "replica.access"]
+    cut = [line for line in lines if line.startswith("id=cut-1 ")]
+    assert len(cut) == 1
+    assert "status=200" in cut[0] and cut[0].endswith(" stream_error=client_gone")
+    finished = [line for line in lines if "/generate" in line or line.startswith("id=all ")]
+    assert len(finished) == 2 and not any("stream_error" in line for line in finished)
 
 
 async def test_client_gone_during_a_plain_request_stops_generation() -> None:
