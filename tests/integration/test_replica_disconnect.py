@@ -68,11 +68,11 @@ async def test_client_gone_mid_stream_stops_generation_and_frees_the_slot(
     assert after.status_code == 200
     assert whole.text.endswith("data: [DONE]\n\n")
     assert gate.completed == 3
-    lines = [r.getMessage() for r in caplog.records if r.name == "replica.access"]
-    cut = [line for line in lines if line.startswith("id=cut-1 ")]
+    logged = [r.getMessage() for r in caplog.records if r.name == "replica.access"]
+    cut = [line for line in logged if line.startswith("id=cut-1 ")]
     assert len(cut) == 1
     assert "status=200" in cut[0] and cut[0].endswith(" stream_error=client_gone")
-    finished = [line for line in lines if "/generate" in line or line.startswith("id=all ")]
+    finished = [line for line in logged if "/generate" in line or line.startswith("id=all ")]
     assert len(finished) == 2 and not any("stream_error" in line for line in finished)
 
 
