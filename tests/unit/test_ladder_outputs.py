@@ -84,3 +84,54 @@ def test_write_back_adds_a_missing_key_keeping_comments(tmp_path: Path) -> None:
     f.write_text("- a list\n")
     with pytest.raises(YamlEditError, match="not a mapping"):
         set_max_concurrency(f, 2)
+
+
+@pytest.mark.parametrize(
+    ("before", "added", "new_lines"),
+    [
+        # Sequences not indented under their key, 4-space indents, long lines: all kept.
+        (
+            "model:\n    source: builtin:tiny-random   # m\nreplicas:\n    devices:\n    - cpu\n"
+            "    - cpu\n    max_queue: 4   # q\n",
+            "replicas:\n    max_concurrency: 5\n",
+            1,
+        ),
+        (
+            "model:\n  source: simulated:decode_ms=5,prefill_ms=0,weights_mb=500,"
+            "kv_kb_per_token=600,total_mb=1000\nreplicas:\n  devices: [cpu, cpu, cpu, cpu, cpu, "
+            "cpu, cpu, cpu, cpu, cpu, cpu, cpu, cpu, cpu, cpu, cpu]\n",
+            "replicas:\n  max_concurrency: 5\n",
+            1,
+        ),
+        # No replicas block at all, and no final newline.
+        ("# top\nmodel:\n  source: builtin:tiny-random", "replicas:\n  max_concurrency: 5\n", 2),
+        # Windows line ends.
+        (
+            "model:\r\n  source: x\r\nreplicas:\r\n  devices: [cpu]\r\n",
+            "  max_concurrency: 5\r\n",
+            1,
+        ),
+    ],
+)
+def test_write_back_of_a_missing_key_only_adds_lines(
+    tmp_path: Path, before: str, added: str, new_lines: int
+) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_bytes(before.encode())
+    assert set_max_concurrency(f, 5) == ""
+    after = f.read_bytes().decode()
+    # Every line of the file is still there, in order and byte for byte; only new lines came in.
+    kept = iter(after.splitlines(keepends=True))
+    for line in before.splitlines(keepends=True):
+        assert any(line.rstrip("\r\n") == other.rstrip("\r\n") for other in kept), line
+    assert added in after
+    assert len(after.splitlines()) == len(before.splitlines()) + new_lines
+
+
+def test_write_back_refuses_what_it_cannot_place(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    for text in ("replicas: null\n", "replicas:\n  max_concurrency: &n 3\n"):
+        f.write_text(text)
+        with pytest.raises(YamlEditError, match="set it by hand"):
+            set_max_concurrency(f, 4)
+        assert f.read_text() == text
