@@ -24,8 +24,14 @@ from replica.engine import ChatMessage, GenerationParams
 from replica.errors import ClientDisconnected, InvalidRequest, PayloadTooLarge, ReplicaError
 from replica.execution import execute
 from replica.metrics import CONTENT_TYPE
-from replica.responses import Job
-from replica.schemas import ChatRequest, CompletionRequest, GenerateRequest, MessageIn
+from replica.responses import Job, Kind
+from replica.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    GenerateRequest,
+    MessageIn,
+    Sampling,
+)
 from replica.state import ReplicaState, state_of
 
 log = logging.getLogger("replica.api")
@@ -157,6 +163,11 @@ def _chat_messages(messages: list[MessageIn]) -> list[ChatMessage]:
     return out
 
 
+def _openai_job(kind: Kind, prompt: str, params: GenerationParams, body: Sampling) -> Job:
+    include = bool(body.stream_options and body.stream_options.include_usage)
+    return Job(kind, prompt, params, stream=body.stream, include_usage=include)
+
+
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state = state_of(request)
@@ -175,9 +186,7 @@ async def completions(request: Request) -> Response:
     params = _params(state, body.max_tokens, 16, body.temperature, body.top_p, body.seed, body.stop)
     state.check_ready()
     _check_tokens(state, prompt, "prompt")
-    include = bool(body.stream_options and body.stream_options.include_usage)
-    job = Job("completion", prompt, params, stream=body.stream, include_usage=include)
-    return await execute(request, state, job)
+    return await execute(request, state, _openai_job("completion", prompt, params, body))
 
 
 @router.post("/v1/chat/completions")
@@ -205,9 +214,7 @@ async def chat_completions(request: Request) -> Response:
             f"messages: the model's chat template cannot render them: {exc}", param="messages"
         ) from exc
     _check_tokens(state, prompt, "messages")
-    include = bool(body.stream_options and body.stream_options.include_usage)
-    job = Job("chat", prompt, params, stream=body.stream, include_usage=include)
-    return await execute(request, state, job)
+    return await execute(request, state, _openai_job("chat", prompt, params, body))
 
 
 @router.post("/generate")

@@ -19,7 +19,7 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class _Sampling(_Lenient):
+class Sampling(_Lenient):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -32,7 +32,7 @@ class _Sampling(_Lenient):
     user: str | None = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(Sampling):
     prompt: str | list[str]
 
 
@@ -46,7 +46,7 @@ class MessageIn(_Lenient):
     content: str | list[ContentPart] | None = None
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(Sampling):
     messages: list[MessageIn]
     max_completion_tokens: int | None = Field(None, ge=1)
 
