@@ -52,8 +52,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--discover-interval-s", type=float, default=None)
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
-    p.add_argument("--max-concurrency", type=int, default=1, help="assumed until a report")
-    p.add_argument("--max-queue", type=int, default=32, help="assumed until a report")
+    p.add_argument(
+        "--max-concurrency", type=int, default=None, help="a replica's, until it reports (1)"
+    )
+    p.add_argument("--max-queue", type=int, default=None, help="a replica's, until it reports (32)")
     p.add_argument("--foreign-max-concurrency", type=int, default=8)
     p.add_argument("--foreign-max-queue", type=int, default=64)
     p.add_argument(
@@ -71,7 +73,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def build_settings(args: argparse.Namespace) -> RouterSettings:
     if args.config:
         config = load_config(args.config)
-        gpus = [g.index for g in list_gpus()] if config.replicas.devices == "all" else None
+        local = config.replicas.devices == "all" and config.router.discovery is None
+        gpus = [g.index for g in list_gpus()] if local else None
         settings = from_deployment(config, gpus)
         router = settings.router
     else:
@@ -94,6 +97,10 @@ def build_settings(args: argparse.Namespace) -> RouterSettings:
         router = RouterConfig.model_validate({**router.model_dump(), **updates})
     except ValueError as exc:
         raise ConfigError(f"invalid router flags: {exc}") from exc
+    if args.max_concurrency is not None:
+        settings.default_max_concurrency = args.max_concurrency
+    if args.max_queue is not None:
+        settings.default_max_queue = args.max_queue
     specs = list(settings.replicas)
     for entry in args.replica:
         name, sep, url = entry.partition("=")
@@ -106,8 +113,8 @@ def build_settings(args: argparse.Namespace) -> RouterSettings:
             ReplicaSpec(
                 name=name,
                 url=url.rstrip("/"),
-                max_concurrency=args.max_concurrency,
-                max_queue=args.max_queue,
+                max_concurrency=settings.default_max_concurrency,
+                max_queue=settings.default_max_queue,
             )
         )
     names = [s.name for s in specs]

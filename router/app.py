@@ -143,7 +143,13 @@ def create_app(
         app.state.poller = poller
         tasks: list[asyncio.Task[None]] = []
         if cfg.discovery is not None:
-            discoverer = DnsDiscoverer(pool, cfg.discovery, resolver or system_resolver)
+            discoverer = DnsDiscoverer(
+                pool,
+                cfg.discovery,
+                resolver or system_resolver,
+                max_concurrency=settings.default_max_concurrency,
+                max_queue=settings.default_max_queue,
+            )
             app.state.discoverer = discoverer
             await discoverer.refresh()
             tasks.append(asyncio.create_task(discoverer.run()))
@@ -227,7 +233,14 @@ def create_app(
             same_url is not None and same_url is not existing
         ):
             raise Conflict(f"a replica named {name!r} or at {url} is already in the pool")
-        replica = pool.add(ReplicaState(name=name, url=url))
+        replica = pool.add(
+            ReplicaState(
+                name=name,
+                url=url,
+                max_concurrency=settings.default_max_concurrency,
+                max_queue=settings.default_max_queue,
+            )
+        )
         await app.state.poller.probe(replica)
         return replica.snapshot()
 

@@ -24,6 +24,9 @@ class RouterSettings(BaseModel):
 
     router: RouterConfig = Field(default_factory=RouterConfig)
     replicas: list[ReplicaSpec] = Field(default_factory=list)
+    # Capacity assumed for a replica added at run time (DNS, POST /replicas) until its report.
+    default_max_concurrency: int = Field(1, ge=1)
+    default_max_queue: int = Field(32, ge=0)
     # Capacity assumed for a replica whose /health is not a gpupool report (vLLM, TGI...).
     foreign_max_concurrency: int = Field(8, ge=1)
     foreign_max_queue: int = Field(64, ge=0)
@@ -37,12 +40,18 @@ class RouterSettings(BaseModel):
 def from_deployment(
     config: DeploymentConfig, gpu_indices: list[int] | None = None
 ) -> RouterSettings:
-    """Local replicas by port (named cpu0, gpu3, ... as the launcher names them) and remote ones."""
+    """Local replicas by port (named cpu0, gpu3, ... as the launcher names them) and remote ones.
+
+    With ``router.discovery`` set, the replicas are the addresses the DNS name resolves to, and
+    ``replicas.devices`` describes what each replica pod runs, not replicas on this host: no
+    local replicas then (``gpu_indices`` is not needed).
+    """
+    local = [] if config.router.discovery is not None else config.replica_settings(gpu_indices)
     specs = [
         ReplicaSpec(
             name=s.name, url=s.url, max_concurrency=s.max_concurrency, max_queue=s.max_queue
         )
-        for s in config.replica_settings(gpu_indices)
+        for s in local
     ]
     specs += [
         ReplicaSpec(
@@ -56,5 +65,7 @@ def from_deployment(
     return RouterSettings(
         router=config.router,
         replicas=specs,
+        default_max_concurrency=config.replicas.max_concurrency,
+        default_max_queue=config.replicas.max_queue,
         max_body_bytes=max(config.model.max_body_bytes * 2, 1024),
     )

@@ -1,0 +1,67 @@
+"""Router settings from a deployment YAML and from flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, parse_config
+from router.__main__ import build_settings, parse_args
+from router.settings import from_deployment
+
+
+def test_local_devices_and_remote_replicas_become_the_pool() -> None:
+    config = parse_config(
+        {
+            "replicas": {"devices": ["cpu", 3], "port_base": 9200, "max_concurrency": 4},
+            "remote_replicas": [{"url": "https://gpu-box:9100/", "name": "box"}],
+        }
+    )
+    settings = from_deployment(config)
+    assert [(r.name, r.url, r.max_concurrency) for r in settings.replicas] == [
+        ("cpu0", "http://127.0.0.1:9200", 4),
+        ("gpu3", "http://127.0.0.1:9201", 4),
+        ("box", "https://gpu-box:9100", 4),
+    ]
+
+
+def test_with_dns_discovery_devices_describe_the_pods_not_local_replicas() -> None:
+    config = parse_config(
+        {
+            "replicas": {"devices": "all", "max_concurrency": 8, "max_queue": 64},
+            "router": {"discovery": {"name": "gpupool-replicas", "port": 9100}},
+        }
+    )
+    settings = from_deployment(config)  # no GPU list needed: nothing local
+    assert settings.replicas == []
+    assert (settings.default_max_concurrency, settings.default_max_queue) == (8, 64)
+
+
+def test_flags_override_the_yaml(tmp_path: Path) -> None:
+    config = tmp_path / "d.yaml"
+    config.write_text("replicas:\n  devices: [cpu]\nrouter:\n  port: 8100\n  fail_threshold: 5\n")
+    args = parse_args(
+        [
+            "--config",
+            str(config),
+            "--port",
+            "8200",
+            "--fail-threshold",
+            "3",
+            "--replica",
+            "extra=http://10.0.0.9:9100",
+            "--replica",
+            "http://10.0.0.10:9100",
+        ]
+    )
+    settings = build_settings(args)
+    assert settings.router.port == 8200 and settings.router.fail_threshold == 3
+    assert [r.name for r in settings.replicas] == ["cpu0", "extra", "10.0.0.10:9100"]
+
+
+def test_bad_flag_values_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="fail_threshold"):
+        build_settings(parse_args(["--replica", "http://a:1", "--fail-threshold", "0"]))
+    with pytest.raises(ConfigError, match="repeat"):
+        build_settings(parse_args(["--replica", "a=http://a:1", "--replica", "a=http://b:1"]))
