@@ -229,3 +229,20 @@ def test_real_torch_replicas_behind_the_router() -> None:
         state = replicas(router)
         assert state["a"]["picks"] + state["b"]["picks"] == 5
         assert state["a"]["model"] == state["b"]["model"] == "tiny-random"
+
+
+def test_a_replica_that_reports_draining_takes_no_new_work(
+    fleet: tuple[Proc, Proc, Proc],
+) -> None:
+    a, _, router = fleet
+    assert httpx.post(a.url + "/admin/drain").status_code == 200
+    try:
+        wait_for(lambda: replicas(router)["a"]["state"] == "draining")
+        before = replicas(router)
+        for _ in range(5):
+            assert completion(router.url).status_code == 200
+        after = replicas(router)
+        assert after["a"]["picks"] == before["a"]["picks"]
+    finally:
+        httpx.post(a.url + "/admin/undrain")
+    wait_for(lambda: replicas(router)["a"]["state"] == "ready")
