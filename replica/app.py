@@ -131,7 +131,10 @@ class RequestContext:
             info.get("completion_tokens", "-"),
             f" stream_error={info['stream_error']}" if "stream_error" in info else "",
         )
-        level = logging.DEBUG if path in _QUIET_PATHS and status < 400 else logging.INFO
+        # Probes are logged only at debug, a 503 /health too (loading, draining): pollers ask
+        # every second, and the replica logs those state changes once itself.
+        quiet = path in _QUIET_PATHS and (status < 400 or (path == "/health" and status == 503))
+        level = logging.DEBUG if quiet else logging.INFO
         access_log.log(level, line, *args)
 
 

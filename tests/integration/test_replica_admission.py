@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
+
+import pytest
 
 from replica.app import create_app
 from replica.engine import ChatMessage, GenerationParams
@@ -74,7 +77,10 @@ async def test_queue_timeout_is_503_saying_so_and_never_runs() -> None:
     assert engine.started == 1
 
 
-async def test_health_is_503_loading_then_200_ready_and_never_runs_the_model() -> None:
+async def test_health_is_503_loading_then_200_ready_and_never_runs_the_model(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="replica.access")
     load_gate = asyncio.Event()
     engine = BlockingEngine(load_gate=load_gate)
     app = create_app(make_settings(max_concurrency=2, max_queue=7), engine=engine)
@@ -84,6 +90,8 @@ async def test_health_is_503_loading_then_200_ready_and_never_runs_the_model() -
         load_gate.set()
         await wait_until(lambda: state_of(app).status == "ready")
         ready = await client.get("/health")
+    logged = [r.getMessage() for r in caplog.records if r.name == "replica.access"]
+    assert len(logged) == 1 and " POST /generate status=503 " in logged[0]  # polls stay quiet
     assert loading.status_code == 503
     assert loading.json()["status"] == "loading"
     assert loading.json()["ready"] is False
