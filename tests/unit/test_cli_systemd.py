@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,23 @@ def test_the_stop_hook_the_units_call_exists_and_takes_their_flags() -> None:
         timeout=30,
     )
     assert out.returncode == 0 and "--timeout-s" in out.stdout
+
+
+def test_systemd_itself_accepts_every_line_of_both_units(tmp_path: Path) -> None:
+    """`systemd-analyze verify` reads the units as systemd will: no key or value it ignores."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    for name in ("gpupool-replica@.service", "gpupool-router.service"):
+        text = (SYSTEMD / name).read_text().replace("/opt/gpupool/.venv/bin/python", sys.executable)
+        (tmp_path / name.replace("@.", "@0.")).write_text(text)
+    units = [str(tmp_path / "gpupool-replica@0.service"), str(tmp_path / "gpupool-router.service")]
+    out = subprocess.run(
+        [analyze, "verify", "--man=no", *units],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    problems = [line for line in (out.stdout + out.stderr).splitlines() if tmp_path.name in line]
+    assert out.returncode == 0 and problems == [], out.stdout + out.stderr
