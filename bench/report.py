@@ -11,11 +11,14 @@ import csv
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
 from bench.stats import LevelSummary
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 CSV_FIXED = (
     "concurrency",
@@ -69,51 +72,75 @@ def write_json(path: Path, settings: Mapping[str, Any], levels: Sequence[LevelSu
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def write_png(path: Path, levels: Sequence[LevelSummary], title: str = "gpupool ladder") -> None:
-    import matplotlib
+def figure(levels: Sequence[LevelSummary], title: str = "gpupool ladder") -> Figure:
+    """Throughput, p99 latency and peak memory per replica against concurrency.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Throughput and memory axes start at zero, so a flat line looks flat; latency is on a log
+    scale, so TPOT (ms) and E2E (s) are both readable.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     x = [lv.concurrency for lv in levels]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig = Figure(figsize=(15, 4.2))
+    axes = fig.subplots(1, 3)
     ax = axes[0]
-    ax.plot(x, [lv.request_rate for lv in levels], "o-", label="requests/s")
+    (req,) = ax.plot(x, [lv.request_rate for lv in levels], "o-", label="requests/s (left)")
     ax.set_ylabel("requests/s (ok)")
     tok = ax.twinx()
-    tok.plot(
-        x, [lv.output_token_rate for lv in levels], "s--", color="tab:orange", label="tokens/s"
+    (tps,) = tok.plot(
+        x,
+        [lv.output_token_rate for lv in levels],
+        "s--",
+        color="tab:orange",
+        label="output tokens/s (right)",
     )
     tok.set_ylabel("output tokens/s", color="tab:orange")
+    for axis in (ax, tok):
+        axis.set_ylim(bottom=0, top=max(1e-9, axis.get_ylim()[1]) * 1.1)
+    ax.legend(handles=[req, tps], fontsize="small", loc="lower right")
     ax.set_title("throughput")
     ax = axes[1]
     for metric, label in (("ttft_ms", "p99 TTFT"), ("e2e_ms", "p99 E2E"), ("tpot_ms", "p99 TPOT")):
         ys = [getattr(lv, metric).p99 for lv in levels]
-        if any(y is not None for y in ys):
+        if any(y is not None and y > 0 for y in ys):
             ax.plot(x, [float("nan") if y is None else y for y in ys], "o-", label=label)
-    ax.set_ylabel("ms")
+    if ax.lines:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.legend(fontsize="small")
+    ax.set_ylabel("ms (log scale)")
     ax.set_title("p99 latency")
-    ax.legend(fontsize="small")
     ax = axes[2]
     names = sorted({name for lv in levels for name in lv.memory})
     for name in names:
         ys = [lv.memory[name].peak_mb if name in lv.memory else None for lv in levels]
         ax.plot(x, [float("nan") if y is None else y for y in ys], "o-", label=name)
+    totals = [m.total_mb for lv in levels for m in lv.memory.values() if m.total_mb is not None]
+    if totals:
+        ax.axhline(min(totals), color="tab:red", linestyle=":", label="device total")
     if not names or all(lv.peak_memory_mb is None for lv in levels):
         ax.text(0.5, 0.5, "no memory reported", ha="center", va="center", transform=ax.transAxes)
     else:
-        ax.legend(fontsize="small")
+        ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.1)
+        ax.legend(fontsize="small", loc="best")
     ax.set_ylabel("MiB")
     ax.set_title("peak memory per replica")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xticks(x, [str(c) for c in x])
+        ax.minorticks_off()
         ax.set_xlabel("concurrency (clients)")
         ax.grid(True, alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+def write_png(path: Path, levels: Sequence[LevelSummary], title: str = "gpupool ladder") -> None:
+    figure(levels, title).savefig(path, dpi=100)
 
 
 def fmt(value: float | None, digits: int = 0) -> str:
@@ -126,7 +153,7 @@ def table(levels: Sequence[LevelSummary], title: str = "ladder") -> Table:
         "conc", "ok", "429", "failed", "req/s", "tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
         "E2E p50/p99 ms", "queue mean ms", "goodput", "peak MiB",
     ):  # fmt: skip
-        t.add_column(header, justify="right")
+        t.add_column(header, justify="right", overflow="fold")  # never "…" in place of a figure
     for lv in levels:
         failed = ", ".join(f"{k}:{v}" for k, v in lv.failed_by_status.items()) or "0"
         t.add_row(
@@ -139,9 +166,7 @@ def table(levels: Sequence[LevelSummary], title: str = "ladder") -> Table:
             f"{fmt(lv.ttft_ms.p50)}/{fmt(lv.ttft_ms.p99)}",
             f"{fmt(lv.tpot_ms.p50, 1)}/{fmt(lv.tpot_ms.p99, 1)}",
             f"{fmt(lv.e2e_ms.p50)}/{fmt(lv.e2e_ms.p99)}",
-            f"{fmt(lv.queue_wait_ms.mean)}/{fmt(lv.queue_wait_ms.p99)}"
-            if lv.queue_wait_ms
-            else "-",
+            fmt(lv.queue_wait_ms.mean) if lv.queue_wait_ms else "-",
             "-" if lv.goodput is None else f"{lv.goodput:.0%}",
             fmt(lv.peak_memory_mb),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 
@@ -135,3 +136,25 @@ def test_write_back_refuses_what_it_cannot_place(tmp_path: Path) -> None:
         with pytest.raises(YamlEditError, match="set it by hand"):
             set_max_concurrency(f, 4)
         assert f.read_text() == text
+
+
+def test_plot_axes_start_at_zero_so_a_flat_throughput_looks_flat() -> None:
+    # Throughput 0.44 .. 0.46 req/s: an axis fitted to the data would show a steep climb.
+    levels = [level(c, 44 + c // 4, 0) for c in (1, 2, 4, 8)]
+    throughput, latency, memory = report.figure(levels).axes[:3]
+    assert throughput.get_ylim()[0] == 0 and memory.get_ylim()[0] == 0
+    assert throughput.get_ylim()[1] > max(lv.request_rate for lv in levels)
+    legend, memory_legend = throughput.get_legend(), memory.get_legend()
+    assert legend is not None and memory_legend is not None
+    assert len(legend.get_texts()) == 2  # requests/s and tokens/s, told apart
+    assert latency.get_yscale() == "log"  # TPOT (ms) and E2E (s) both readable
+    assert "device total" in [t.get_text() for t in memory_legend.get_texts()]
+
+
+def test_the_table_never_hides_a_figure_in_a_narrow_terminal() -> None:
+    from rich.console import Console
+
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(report.table([level(1, 5, 0), level(16, 8, 3)]))
+    text = console.export_text()
+    assert "…" not in text
