@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from typing import Any
@@ -111,9 +112,14 @@ def settings_from_args(args: argparse.Namespace) -> ReplicaSettings:
         else:
             base[key] = value
     try:
-        return ReplicaSettings.model_validate(base)
+        settings = ReplicaSettings.model_validate(base)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc).replace("\n", "; ")) from exc
+    for key in ("queue_timeout_s", "request_timeout_s"):
+        value = getattr(settings, key)
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: must be a finite number of seconds (got {value})")
+    return settings
 
 
 def main(argv: list[str] | None = None) -> int:

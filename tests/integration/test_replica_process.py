@@ -149,6 +149,8 @@ def run_main(
         (["--model", "simulated:warp=9"], "unknown option 'warp'"),
         (["--model", "simulated", "--device", "tpu"], "device must be cpu, cuda or cuda:N"),
         (["--model", "simulated", "--max-queue", "-1"], "max_queue"),
+        (["--model", "simulated", "--request-timeout-s", "inf"], "request_timeout_s: must be"),
+        (["--model", "simulated", "--queue-timeout-s", "1e309"], "queue_timeout_s: must be"),
         ([], "give --model SOURCE"),
         (["--config", "/nonexistent/deploy.yaml"], "no such file"),
         (["--model", "simulated", "--replica", "cpu0"], "--replica needs --config"),
