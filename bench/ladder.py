@@ -27,6 +27,7 @@ from bench.stats import LevelSummary, RequestResult, Slo
 from bench.workload import Prompt, WorkloadError, generate, load_dataset, parse_token_range
 
 DEFAULT_LEVELS = "1,2,4,8,16"
+MAX_LEVEL = 10_000  # clients in one level: each is a task and an open connection
 
 
 class UsageError(ValueError):
@@ -48,6 +49,8 @@ def parse_levels(spec: str) -> list[int]:
         raise UsageError(f"--levels: expected integers like 1,2,4,8, got {spec!r}") from exc
     if not levels or any(n < 1 for n in levels):
         raise UsageError(f"--levels: expected integers >= 1, got {spec!r}")
+    if max(levels) > MAX_LEVEL:
+        raise UsageError(f"--levels: at most {MAX_LEVEL} clients per level, got {max(levels)}")
     return levels
 
 
@@ -140,7 +143,7 @@ def slo_from(args: argparse.Namespace) -> Slo:
         raise UsageError("--slo-tpot-ms needs --stream (without it no token timing is seen)")
     for name in ("slo_ttft_ms", "slo_e2e_ms", "slo_tpot_ms"):
         value = getattr(args, name)
-        if value is not None and value <= 0:
+        if value is not None and not value > 0:  # also refuses nan
             raise UsageError(f"--{name.replace('_', '-')}: must be > 0, got {value}")
     return slo
 

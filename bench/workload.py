@@ -29,6 +29,12 @@ _WORD_TEXT = (
 )
 _WORDS = _WORD_TEXT.split()
 
+# Bounds that keep generation quick and small: a prompt is at most MAX_PROMPT_TOKENS words, and
+# at most MAX_PROMPTS distinct prompts (MAX_WORDS words in all) are made; a ladder cycles them.
+MAX_PROMPT_TOKENS = 131_072
+MAX_PROMPTS = 1024
+MAX_WORDS = 4_000_000
+
 _LEAD = "Continue this list of words:"
 _LEAD_WORDS = len(_LEAD.split())
 
@@ -66,14 +72,19 @@ def parse_token_range(spec: str) -> tuple[int, int]:
         raise WorkloadError(
             f"--prompt-tokens: expected N or LOW:HIGH with 1 <= LOW <= HIGH, got {spec!r}"
         )
+    if numbers[1] > MAX_PROMPT_TOKENS:
+        raise WorkloadError(f"--prompt-tokens: at most {MAX_PROMPT_TOKENS}, got {spec!r}")
     return numbers[0], numbers[1]
 
 
 def generate(count: int, tokens: tuple[int, int], seed: int) -> list[Prompt]:
-    """``count`` prompts of about ``tokens`` (uniform in the range) tokens each, reproducibly."""
+    """Up to ``count`` prompts of about ``tokens`` (uniform in the range) tokens each, reproducibly.
+
+    At most ``MAX_PROMPTS`` prompts and ``MAX_WORDS`` words in all: callers cycle through them.
+    """
     rng = random.Random(seed)
     prompts = []
-    for _ in range(count):
+    for _ in range(max(1, min(count, MAX_PROMPTS, MAX_WORDS // tokens[1]))):
         n = rng.randint(*tokens)
         words = [rng.choice(_WORDS) for _ in range(max(1, n - _LEAD_WORDS))]
         prompts.append(Prompt(text=f"{_LEAD} {' '.join(words)}"))
@@ -103,7 +114,9 @@ def _parse_line(item: object) -> Prompt:
     if not isinstance(item, dict):
         raise WorkloadError('each line must be a JSON object with "prompt" or "messages"')
     max_tokens = item.get("max_tokens")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+    if max_tokens is not None and (
+        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
+    ):
         raise WorkloadError(f'"max_tokens" must be a positive integer, got {max_tokens!r}')
     if isinstance(item.get("prompt"), str):
         return Prompt(text=item["prompt"], max_tokens=max_tokens)

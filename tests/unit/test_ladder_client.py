@@ -99,6 +99,9 @@ async def test_rejection_oom_and_stream_error_are_told_apart() -> None:
         ["--url", "http://x", "--requests-per-level", "4", "--duration-s", "2"],
         ["--url", "http://x", "--slo-tpot-ms", "50"],  # TPOT needs --stream
         ["--url", "http://x", "--prompt-tokens", "9:3"],
+        ["--url", "http://x", "--prompt-tokens", "100000000"],  # would build GBs of prompts
+        ["--url", "http://x", "--levels", "1,3000000000000"],  # a task per client: no memory
+        ["--url", "http://x", "--slo-e2e-ms", "nan"],  # would pass every request
     ],
 )
 def test_ladder_refuses_bad_arguments(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

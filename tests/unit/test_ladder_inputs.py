@@ -28,6 +28,11 @@ def test_generated_prompts_are_reproducible_and_sized() -> None:
     assert len(set(lengths)) > 1  # a range, not one length
 
 
+def test_generated_prompts_are_bounded_whatever_the_request_count() -> None:
+    assert 1 <= len(generate(10**12, (128, 128), seed=0)) <= 1024
+    assert len(generate(10**12, (100_000, 100_000), seed=0)) <= 40  # 4M words at most
+
+
 def test_dataset_lines_and_payloads(tmp_path: Path) -> None:
     f = tmp_path / "d.jsonl"
     f.write_text(
@@ -49,6 +54,7 @@ def test_dataset_lines_and_payloads(tmp_path: Path) -> None:
         "[1, 2]",
         "not json",
         '{"prompt": "x", "max_tokens": 0}',
+        '{"prompt": "x", "max_tokens": true}',
         '{"messages": [{"role": "user"}]}',
     ],
 )
