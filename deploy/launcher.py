@@ -44,7 +44,9 @@ from deploy.plan import (
 from deploy.procs import Child, spawn, terminate_all
 from deploy.state import read_state, state_dir, state_path, write_state
 
-POLL_S = 0.2
+POLL_S = 0.2  # how often exits are noticed and the loading table is redrawn
+# How often a starting child's /health is asked: a loading replica logs each 503 it answers.
+PROBE_S = 1.0
 ROUTER_READY_TIMEOUT_S = 120.0
 
 
@@ -111,6 +113,14 @@ class Launcher:
         t.state, t.restart_at, t.next_probe = "starting", None, 0.0
         self._save()
 
+    def _probe_due(self, t: Tracked) -> bool:
+        """True at most once per PROBE_S per child (and at once after a start)."""
+        now = self.clock()
+        if now < t.next_probe:
+            return False
+        t.next_probe = now + PROBE_S
+        return True
+
     def _ready(self, t: Tracked) -> bool:
         try:
             r = self.http.get(t.spec.url + "/health")
@@ -176,7 +186,7 @@ class Launcher:
                             f"{name} exited with status {t.last_exit} while starting; "
                             f"its last output:\n{t.child.tail()}"
                         )
-                    if self._ready(t):
+                    if self._probe_due(t) and self._ready(t):
                         t.state = "ready"
                         self._save()
                 if self.clock() >= deadline:
@@ -193,10 +203,11 @@ class Launcher:
         replicas = [n for n, t in self.tracked.items() if t.spec.kind == "replica"]
         for name in replicas:
             self._start(self.tracked[name])
-        self._say(f"started {len(replicas)} replica(s); waiting for them to load", "")
-        problem = self._wait_ready(replicas, self.cfg.replicas.ready_timeout_s)
-        if problem is not None:
-            return problem
+        if replicas:
+            self._say(f"started {len(replicas)} replica(s); waiting for them to load", "")
+            problem = self._wait_ready(replicas, self.cfg.replicas.ready_timeout_s)
+            if problem is not None:
+                return problem
         self._start(self.tracked["router"])
         return self._wait_ready(["router"], ROUTER_READY_TIMEOUT_S)
 
@@ -237,12 +248,10 @@ class Launcher:
                 elif t.state == "backoff" and t.restart_at is not None and now >= t.restart_at:
                     t.policy.on_restart()
                     self._start(t)
-                elif t.state == "starting" and now >= t.next_probe:
-                    t.next_probe = now + 1.0
-                    if self._ready(t):
-                        t.state = "ready"
-                        self._say(f"{t.spec.name} is ready again", "green")
-                        self._save()
+                elif t.state == "starting" and self._probe_due(t) and self._ready(t):
+                    t.state = "ready"
+                    self._say(f"{t.spec.name} is ready again", "green")
+                    self._save()
             if self.tracked["router"].state == "down":
                 return 1
             self.stop.wait(POLL_S)

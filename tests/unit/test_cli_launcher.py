@@ -18,14 +18,16 @@ from deploy.plan import ChildSpec, child_env
 from deploy.state import read_state
 from tests.support import free_port
 
-# Answers every request with `status` and a health body. With `life` > 0 it exits with status 3
-# that long after its first request, so the launcher has always seen it answer first.
+# Answers every request with `status` and a health body, printing "GET /health" for each. With
+# `life` > 0 it exits with status 3 that long after its first request, so the launcher has always
+# seen it answer first.
 SERVER = """
 import http.server, os, sys, threading
 port, status, life = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 timer = threading.Timer(life, lambda: os._exit(3))
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        print(self.command, self.path, flush=True)
         if life > 0 and not timer.is_alive():
             timer.start()
         body = b'{"ready": true, "in_flight": 0, "queued": 0}'
@@ -55,12 +57,17 @@ def spec(name: str, kind: str, port: int, status: int = 200, life: float = 0) ->
     )
 
 
-def make(tmp_path: Path, replica: ChildSpec, **replicas: object) -> tuple[Launcher, io.StringIO]:
+def make(
+    tmp_path: Path, replica: ChildSpec | None, **replicas: object
+) -> tuple[Launcher, io.StringIO]:
+    """A launcher of ``replica`` and a router; with no replica, a router-only host."""
     out = io.StringIO()
-    cfg = parse_config({"replicas": {"devices": ["cpu"], **replicas}})
+    devices = ["cpu"] if replica else []
+    remote = [] if replica else [{"url": "http://127.0.0.1:1"}]
+    cfg = parse_config({"replicas": {"devices": devices, **replicas}, "remote_replicas": remote})
     launcher = Launcher(
         cfg=cfg,
-        specs=[replica, spec("router", "router", free_port())],
+        specs=[*([replica] if replica else []), spec("router", "router", free_port())],
         console=Console(file=out, width=200),
         env=child_env({}, {"PATH": "/usr/bin:/bin"}),
         state_file=tmp_path / "up-1.json",
@@ -150,3 +157,25 @@ def test_the_ready_timeout_names_the_replica_that_did_not_load(tmp_path: Path) -
     assert launcher.run() == 1
     assert "error: not ready after 1s: cpu0" in out.getvalue()
     assert not launcher.tracked["cpu0"].child.alive()  # type: ignore[union-attr]
+
+
+def test_a_loading_replica_is_asked_for_its_health_about_once_a_second(tmp_path: Path) -> None:
+    # A loading replica logs every /health it answers 503; polling it 5 times a second would
+    # bury the launcher's output. Two seconds of loading: at most three asks (at 0, 1 and 2 s).
+    launcher, out = make(
+        tmp_path, spec("cpu0", "replica", free_port(), status=503), ready_timeout_s=2.0
+    )
+    assert launcher.run() == 1
+    asks = out.getvalue().count("cpu0 | GET /health")
+    assert 1 <= asks <= 3, out.getvalue()
+
+
+def test_a_router_only_host_starts_just_the_router(tmp_path: Path) -> None:
+    launcher, out = make(tmp_path, None)
+    assert list(launcher.tracked) == ["router"]
+    with stop_when(launcher, lambda: launcher.tracked["router"].state == "ready", 30) as seen:
+        assert launcher.run() == 0
+    assert seen == [True]
+    text = out.getvalue()
+    assert "gpupool is up" in text and "replica(s)" not in text
+    assert "remote0" in text  # the summary lists the remote replica
