@@ -2,7 +2,8 @@
 
 ``python -m replica --config FILE --replica NAME --max-concurrency C --port P --host 127.0.0.1``
 on a free loopback port; waits (bounded) for ``/health`` 200; SIGTERM, then SIGKILL, on exit.
-Its output goes to a log file whose tail is shown when it fails to start.
+Its output goes to a temporary log file, whose tail is shown when it fails to start, and which is
+removed when the replica has stopped.
 """
 
 from __future__ import annotations
@@ -111,3 +112,4 @@ def replica(
             yield proc
         finally:
             _stop(proc)
+            proc.log_path.unlink(missing_ok=True)

@@ -139,7 +139,7 @@ def evidence_table(steps: Sequence[Step], title: str) -> Table:
         "limit MiB",
         "verdict",
     ):
-        t.add_column(h, justify="right")
+        t.add_column(h, justify="right", overflow="fold")
     f = report.fmt
     for s in steps:
         lv = s.summary
@@ -185,8 +185,9 @@ def run_steps(
         headroom = config.replicas.headroom_mb if config is not None else 1024
     name, env = _replica_choice(args, config)
     steps: list[Step] = []
+    what = "client concurrency" if args.url else "max_concurrency"
     for c in steps_up_to(args.up_to):
-        console.print(f"step max_concurrency={c} ...")
+        console.print(f"step {what}={c} ...")
         if args.url:
             summary = asyncio.run(_one_step(args, args.url, c))
         else:
@@ -271,8 +272,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "--write needs replicas started from CONFIG (not --url): "
                 "tune cannot change a running server's max_concurrency"
             )
-        if args.up_to < 1 or not 0 <= args.min_goodput <= 1:
-            raise UsageError("--up-to must be >= 1 and --min-goodput within 0..1")
+        if args.up_to < 1:
+            raise UsageError(f"--up-to: must be >= 1, got {args.up_to}")
+        if not 0 <= args.min_goodput <= 1:
+            raise UsageError(f"--min-goodput: must be within 0..1, got {args.min_goodput}")
+        if args.headroom_mb is not None and not args.headroom_mb >= 0:
+            raise UsageError(f"--headroom-mb: must be >= 0, got {args.headroom_mb}")
         check_load_args(args)
         plan_from(args, args.url or "http://127.0.0.1", "x", 1)  # validates SLO and prompts
         if args.config is not None:

@@ -5,6 +5,10 @@ Memory case: a 1000 MiB simulated GPU with 500 MiB of weights and 600 KiB of KV 
 once use <= 734 MiB, while 8 at once use >= 922 MiB: above total - headroom (900 MiB) but under
 the total, so the step fails on memory (not OOM). The answer must be 4.
 
+OOM case: the same GPU with 700 MiB in all and no headroom: 3 requests of <= 100 tokens fit
+(<= 676 MiB) but a 4th prompt of 90 tokens does not, so the simulated engine answers "out of
+device memory" at 4 clients. The answer must be 2.
+
 SLO case: knee=2 makes every decode step slower beyond 2 requests in flight (10 ms, 20 ms at 4,
 40 ms at 8); a 30 ms TPOT objective then holds up to 4 clients and fails at 8.
 """
@@ -12,6 +16,7 @@ SLO case: knee=2 makes every decode step slower beyond 2 requests in flight (10 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,10 +41,12 @@ router:
 """
 
 
-def run_tune(*args: str) -> subprocess.CompletedProcess[str]:
+def run_tune(*args: str, tmpdir: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TMPDIR": str(tmpdir)} if tmpdir else None
     return subprocess.run(
         [sys.executable, "-m", "bench.tune", *args],
         cwd=REPO,
+        env=env,
         capture_output=True,
         text=True,
         timeout=180,
@@ -66,6 +73,28 @@ def test_tune_stops_at_the_memory_limit_and_writes_back(tmp_path: Path) -> None:
     assert changed == [("  max_concurrency: 1   # tune me", "  max_concurrency: 4   # tune me")]
 
 
+def test_tune_stops_at_the_first_out_of_memory_answer(tmp_path: Path) -> None:
+    config = tmp_path / "oom.yaml"
+    logs = tmp_path / "tmp"
+    logs.mkdir()
+    config.write_text(
+        CONFIG.replace("total_mb=1000", "total_mb=700").replace(
+            "headroom_mb: 100", "headroom_mb: 0"
+        )
+    )
+    done = run_tune(
+        str(config), "--prompt-tokens", "90", "--max-tokens", "10", "--up-to", "32",
+        "--out", str(tmp_path / "out"), tmpdir=logs,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "recommended max_concurrency: 2" in done.stdout
+    assert not list(logs.iterdir())  # each step's replica log is gone with its replica
+    steps = json.loads((tmp_path / "out" / "tune.json").read_text())["steps"]
+    assert [s["concurrency"] for s in steps] == [1, 2, 4]
+    assert steps[-1]["summary"]["oom"] > 0 and "out of memory" in steps[-1]["problem"]
+    assert [s["summary"]["oom"] for s in steps[:2]] == [0, 0]
+
+
 def test_tune_against_a_url_stops_at_a_missed_slo(tmp_path: Path) -> None:
     model = "simulated:decode_ms=10,prefill_ms=0,knee=2"
     with replica_process(
@@ -77,6 +106,7 @@ def test_tune_against_a_url_stops_at_a_missed_slo(tmp_path: Path) -> None:
         )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "recommended client concurrency: 4" in done.stdout
+    assert "step client concurrency=1" in done.stderr
     steps = json.loads((tmp_path / "tune.json").read_text())["steps"]
     assert [s["concurrency"] for s in steps] == [1, 2, 4, 8]
     assert "missed SLO" in steps[-1]["problem"]

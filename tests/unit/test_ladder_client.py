@@ -123,7 +123,19 @@ def test_ladder_reports_an_unreachable_server(tmp_path: object) -> None:
     assert ladder.main(["--url", url, "--levels", "1", "--out", str(tmp_path)]) == 1
 
 
-def test_tune_refuses_write_with_url(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        tune.main(["--url", "http://x", "--write"])
-    assert "--write" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--url", "http://x", "--write"], "--write"),
+        (["--url", "http://x", "--headroom-mb", "-5"], "--headroom-mb"),
+        (["--url", "http://x", "--min-goodput", "2"], "--min-goodput"),
+        (["--url", "http://x", "--up-to", "0"], "--up-to"),
+    ],
+)
+def test_tune_refuses_bad_arguments(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        tune.main(argv)
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err
