@@ -119,18 +119,16 @@ def _got(err: Mapping[str, Any]) -> str:
     return f", got {shown if len(shown) <= 40 else shown[:37] + '...'}"
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, bool]:
-    """(message, param, is_malformed_json) naming the first bad field."""
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) naming each bad field (the first five) and its value."""
     problems = []
     param = None
     for err in exc.errors():
-        if err.get("type") == "json_invalid":
-            return f"request body is not valid JSON: {err.get('msg', '')}", None, True
         loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
         field = ".".join(loc) or "body"
         param = param or field
         problems.append(f"{field}: {err.get('msg', 'invalid')}{_got(err)}")
-    return "invalid request: " + "; ".join(problems[:5]), param, False
+    return "invalid request: " + "; ".join(problems[:5]), param
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -143,9 +141,7 @@ def install_handlers(app: FastAPI) -> None:
 
     async def validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
-        message, param, malformed = _validation_message(exc)
-        if malformed:
-            return _json(400, ErrorBody.make(message, "invalid_request_error", code="bad_json"))
+        message, param = _validation_message(exc)
         body = ErrorBody.make(message, "invalid_request_error", code="invalid_value", param=param)
         return _json(422, body)
 
