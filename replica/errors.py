@@ -32,7 +32,7 @@ class InvalidRequest(ReplicaError):
 
 
 class PayloadTooLarge(ReplicaError):
-    """413: the body (or the prompt) is larger than the configured cap."""
+    """413: the request body is larger than max_body_bytes (a long prompt is a 400)."""
 
 
 class QueueFull(ReplicaError):
