@@ -54,7 +54,8 @@ async def _read_json(request: Request, limit: int) -> Any:
             size += len(chunk)
             if size > limit:
                 raise PayloadTooLarge(
-                    f"request body is over the limit of {limit} bytes (max_body_bytes)"
+                    f"request body is at least {size} bytes, above the limit of {limit} bytes "
+                    "(max_body_bytes)"
                 )
             chunks.append(chunk)
     except ClientDisconnect as exc:

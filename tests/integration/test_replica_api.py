@@ -249,7 +249,8 @@ async def test_body_over_the_cap_is_413_by_header_and_by_bytes(client: httpx.Asy
 
     streamed = await client.post("/v1/completions", content=chunks())
     assert streamed.status_code == 413
-    assert "max_body_bytes" in streamed.json()["error"]["message"]
+    message = streamed.json()["error"]["message"]
+    assert "at least 5000 bytes, above the limit of 4096 bytes (max_body_bytes)" in message
 
 
 async def test_unknown_route_and_method_are_error_bodies(client: httpx.AsyncClient) -> None:
