@@ -19,6 +19,7 @@ import os
 import resource
 import secrets
 import threading
+import traceback
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -190,6 +191,9 @@ class TransformersEngine:
         try:
             yield from self._decode_loop(model, prompt_ids, params, cancel)
         except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
+            # The failed step's frames (kept by the traceback) hold its KV cache and activations:
+            # drop them, so the memory can go back before the next request.
+            traceback.clear_frames(exc.__traceback__)
             if self.device.startswith("cuda") and torch.cuda.is_available():
                 torch.cuda.empty_cache()
             raise EngineOutOfMemory(

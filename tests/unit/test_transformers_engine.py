@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -171,6 +173,33 @@ async def test_injected_oom_fails_one_request_and_the_next_works(
     done = done_of(await collect(engine, PROMPT, max_tokens=5, temperature=0.0))
     assert done.completion_tokens == 5
     assert engine.workers_alive == 0
+
+
+async def test_oom_lets_go_of_the_failed_steps_tensors(
+    engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = engine._model
+    assert model is not None
+    real_forward = model.forward
+    held: list[weakref.ref[torch.Tensor]] = []
+
+    def forward_failing_on_the_third_step(*args: Any, **kwargs: Any) -> Any:
+        if len(held) == 2:
+            activations = torch.ones(1024)  # what a real step holds when it runs out
+            held.append(weakref.ref(activations))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        out = real_forward(*args, **kwargs)
+        held.append(weakref.ref(out.logits))
+        return out
+
+    monkeypatch.setattr(model, "forward", forward_failing_on_the_third_step)
+    with pytest.raises(EngineOutOfMemory) as info:
+        await collect(engine, PROMPT, max_tokens=5, temperature=0.0)
+    gc.collect()
+    # The error (and its cause) is still held here, yet no tensor of the request survives.
+    assert isinstance(info.value.__cause__, torch.cuda.OutOfMemoryError)
+    assert len(held) == 3
+    assert [ref() is None for ref in held] == [True, True, True]
 
 
 def test_chat_template_renders_with_generation_prompt(engine: TransformersEngine) -> None:
