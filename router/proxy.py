@@ -236,10 +236,11 @@ class Proxy:
                 exclude=tried,
             )
             if replica is None:
+                # Full replicas not yet tried: 429; nothing else accepting: the failure, 503.
                 if stored is None and (
-                    attempt == 0 or refusal(self.pool.list()) is Refusal.ALL_FULL
+                    attempt == 0 or refusal(self.pool.list(), tried) is Refusal.ALL_FULL
                 ):
-                    raise self._refuse()
+                    raise self._refuse(tried)
                 break
             if attempt > 0:
                 if not self.budget.try_spend():
@@ -310,9 +311,9 @@ class Proxy:
         )
         return await self.client.send(request, stream=True)
 
-    def _refuse(self) -> RouterError:
+    def _refuse(self, tried: list[str]) -> RouterError:
         replicas = self.pool.list()
-        if refusal(replicas) is Refusal.ALL_FULL:
+        if refusal(replicas, tried) is Refusal.ALL_FULL:
             self.metrics.rejections.labels("all_full").inc()
             waiting = sum(max(r.outstanding - r.max_concurrency, 0) for r in replicas) + 1
             return AllReplicasBusy(

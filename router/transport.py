@@ -31,6 +31,10 @@ _LOW_WATER = 1 << 18
 Key = tuple[str, int]
 
 
+class _ClosedBeforeAnswer(httpx.RemoteProtocolError):
+    """The replica closed the connection before the response head."""
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -68,13 +72,19 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if not self.complete:
+            suffix = f" ({exc})" if exc is not None else ""
             if self.head_done:
-                message = "replica closed the connection in the middle of the response body"
+                self._fail(
+                    httpx.RemoteProtocolError(
+                        "replica closed the connection in the middle of the response body" + suffix
+                    )
+                )
             else:
-                message = "replica closed the connection without sending a response"
-            if exc is not None:
-                message += f" ({exc})"
-            self._fail(httpx.RemoteProtocolError(message))
+                self._fail(
+                    _ClosedBeforeAnswer(
+                        "replica closed the connection without sending a response" + suffix
+                    )
+                )
 
     # ---- httptools callbacks -----------------------------------------------------------
 
@@ -224,12 +234,20 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
             head += [name, b": ", value, b"\r\n"]
         head.append(b"\r\n")
         payload = b"".join(head) + body
-        conn = self._take(key) or await self._connect(key, timeouts.get("connect"))
+        reused = self._take(key)
+        conn = reused or await self._connect(key, timeouts.get("connect"))
         read_timeout = timeouts.get("read")
         try:
             conn.start(payload)
             while not conn.head_done:
                 await conn.wait(read_timeout)
+        except _ClosedBeforeAnswer as exc:
+            conn.close()
+            if reused is None:
+                # A new connection closed before any answer: the replica is going down (or
+                # is not an HTTP server), as good as a refused connection.
+                raise httpx.ConnectError(f"{key[0]}:{key[1]}: {exc}") from exc
+            raise
         except BaseException:
             conn.close()
             raise

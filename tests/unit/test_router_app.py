@@ -250,3 +250,16 @@ async def test_stream_cut_ends_with_an_error_event_not_done(clock: FakeClock) ->
     assert error["type"] == "upstream_error" and "connection reset" in error["message"]
     assert "[DONE]" not in r.text
     assert replica.in_flight == 0 and replica.errors >= 1
+
+
+async def test_a_failed_attempt_with_nothing_else_ready_is_503_not_429(clock: FakeClock) -> None:
+    def reset(request: httpx.Request) -> httpx.Response:
+        raise httpx.RemoteProtocolError("server disconnected", request=request)
+
+    async for app, c in running(Replicas(a=reset), clock):
+        r = await generate(c)
+        replica = app.state.pool.get("a")
+    assert r.status_code == 503
+    assert "server disconnected" in r.json()["error"]["message"]
+    # A reset on a kept-alive connection alone does not eject (it may be a keep-alive race).
+    assert replica.healthy and replica.errors == 1 and replica.in_flight == 0
