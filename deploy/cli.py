@@ -17,7 +17,8 @@ import httpx
 import typer
 from rich.console import Console
 
-from deploy.launcher import first_key, run_up
+from deploy.drain import admin_key
+from deploy.launcher import run_up
 from deploy.state import read_state, state_path
 from deploy.status import StatusError, build_table, fetch_replicas, router_port
 
@@ -75,11 +76,7 @@ def status(
     """Show each replica behind a router: state, load, queue, memory, restarts."""
     # Piped or captured: do not squeeze the table into 80 columns.
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-    token = (
-        key
-        or first_key(os.environ, "GPUPOOL_ADMIN_KEYS")
-        or first_key(os.environ, "GPUPOOL_API_KEYS")
-    )
+    token = key or admin_key(os.environ)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         with httpx.Client(timeout=5.0) as client:

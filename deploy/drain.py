@@ -64,12 +64,16 @@ def drain(
         sleep(interval_s)
 
 
-def _key(env: Mapping[str, str]) -> str | None:
-    for name in ("GPUPOOL_ADMIN_KEYS", "GPUPOOL_API_KEYS"):
-        keys = [k.strip() for k in env.get(name, "").split(",") if k.strip()]
-        if keys:
-            return keys[0]
-    return None
+def first_key(env: Mapping[str, str], name: str) -> str | None:
+    """The first of the comma-separated keys in environment variable ``name``, if any."""
+    return next((k.strip() for k in env.get(name, "").split(",") if k.strip()), None)
+
+
+def admin_key(
+    env: Mapping[str, str], admin: str = "GPUPOOL_ADMIN_KEYS", api: str = "GPUPOOL_API_KEYS"
+) -> str | None:
+    """The key for admin routes: the first admin key, else the first API key."""
+    return first_key(env, admin) or first_key(env, api)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("url", help="base URL of the router or replica")
     parser.add_argument("--timeout-s", type=float, default=60.0)
     args = parser.parse_args(argv)
-    key = _key(os.environ)
+    key = admin_key(os.environ)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     with httpx.Client(timeout=httpx.Timeout(5.0)) as client:
         return drain(args.url, client, args.timeout_s, headers)

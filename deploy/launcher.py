@@ -32,6 +32,7 @@ from rich.text import Text
 from common.config import ConfigError, DeploymentConfig, load_config
 from common.gpu import list_gpus, nvml_error
 from deploy import display, preflight
+from deploy.drain import admin_key
 from deploy.plan import (
     ChildSpec,
     RestartPolicy,
@@ -281,7 +282,7 @@ class Launcher:
         if router.child is None or not router.child.alive():
             return
         r = self.cfg.router
-        key = first_key(self.env, r.admin_keys_env) or first_key(self.env, r.api_keys_env)
+        key = admin_key(self.env, r.admin_keys_env, r.api_keys_env)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
             self.http.post(router.spec.url + "/admin/drain", headers=headers)
@@ -325,11 +326,6 @@ class Launcher:
             self._say("stopping", "")
             self.shutdown()
             self._say("stopped; no child left", "")
-
-
-def first_key(env: Mapping[str, str], name: str) -> str | None:
-    """The first of the comma-separated keys in environment variable ``name``, if any."""
-    return next((k.strip() for k in env.get(name, "").split(",") if k.strip()), None)
 
 
 def resolve_config_path(arg: str | None, cwd: Path) -> Path:

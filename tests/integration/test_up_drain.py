@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
 
 import httpx
 
-from tests.support import REPO, free_port, replica_process
+from tests.support import REPO, free_port, replica_process, router_process
 
 
 def test_drain_turns_the_replica_away_from_new_work_and_waits_for_running_requests() -> None:
@@ -53,3 +54,34 @@ def test_drain_of_a_server_that_is_already_gone_succeeds() -> None:
         timeout=60,
     )
     assert gone.returncode == 0
+
+
+def deploy(module: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``python -m module args`` with only the GPUPOOL_ variables given in ``env``."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GPUPOOL_")}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env={**clean, **env, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_drain_and_status_use_the_admin_key_from_the_environment() -> None:
+    keys = {"GPUPOOL_API_KEYS": "user-key", "GPUPOOL_ADMIN_KEYS": "admin-key, second"}
+    with (
+        replica_process("--model", "simulated:decode_ms=0", "--name", "k0") as rep,
+        router_process("--replica", f"k0={rep.url}", env=keys) as router,
+    ):
+        refused = deploy("deploy", "status", "--url", router.url, env={})
+        assert refused.returncode == 1 and "answered 401" in refused.stdout
+        shown = deploy("deploy", "status", "--url", router.url, env=keys)
+        assert shown.returncode == 0 and "k0" in shown.stdout, shown.stdout
+
+        assert deploy("deploy.drain", router.url, "--timeout-s", "10", env={}).returncode == 2
+        assert httpx.get(router.url + "/health", timeout=5).json()["draining"] is False
+        drained = deploy("deploy.drain", router.url, "--timeout-s", "10", env=keys)
+        assert drained.returncode == 0, drained.stderr
+        assert httpx.get(router.url + "/health", timeout=5).json()["draining"] is True
