@@ -51,6 +51,8 @@ class Child:
     popen: subprocess.Popen[bytes]
     started_at: float
     log_path: Path
+    # Where this process's output starts in the log, which keeps earlier runs and restarts.
+    log_start: int = 0
     _reader: threading.Thread | None = field(default=None, repr=False)
 
     @property
@@ -66,8 +68,11 @@ class Child:
             os.killpg(self.popen.pid, sig)
 
     def tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines this process wrote (not an earlier run's)."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            with self.log_path.open("rb") as log:
+                log.seek(self.log_start)
+                text = log.read().decode(errors="replace")
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
@@ -92,6 +97,7 @@ def spawn(
     """Start ``argv`` as a supervised child; its output goes to ``sink`` and ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("ab")
+    log_start = log.tell()
     popen = subprocess.Popen(
         list(argv),
         env=dict(env),
@@ -106,7 +112,14 @@ def spawn(
         target=_pump, args=(name, popen.stdout, log, sink), name=f"log-{name}", daemon=True
     )
     reader.start()
-    return Child(name=name, popen=popen, started_at=clock(), log_path=log_path, _reader=reader)
+    return Child(
+        name=name,
+        popen=popen,
+        started_at=clock(),
+        log_path=log_path,
+        log_start=log_start,
+        _reader=reader,
+    )
 
 
 def terminate_all(children: Sequence[Child], grace_s: float) -> None:

@@ -143,10 +143,15 @@ def test_a_replica_that_exits_while_loading_stops_start_up_with_its_output(
     tmp_path: Path,
 ) -> None:
     launcher, out = make(tmp_path, spec("cpu0", "replica", free_port(), status=503, life=0.1))
+    log = tmp_path / "logs" / "cpu0.log"
+    log.parent.mkdir()
+    log.write_text("an earlier run's last words\n")
     assert launcher.run() == 1
     text = out.getvalue()
     assert "error: cpu0 exited with status 3 while starting" in text
     assert "serving" in text  # its last output is shown
+    assert "earlier run" not in text  # and only its own, though the log file keeps both
+    assert log.read_text().startswith("an earlier run's last words\nserving")
     assert launcher.tracked["router"].child is None  # the router was never started
 
 
