@@ -3,7 +3,8 @@
 Runs each concurrency level in turn (closed loop, see ``bench/runner.py``), shows live progress,
 prints a table, and writes ``results.json``, ``results.csv`` and ``ladder.png`` into ``--out``.
 Works against a replica or a router (memory then comes from the router's ``/replicas``).
-Exit status: 0 when every level ran, 2 for bad arguments, 1 when the server cannot be reached.
+Exit status: 0 when every level ran, 2 for bad arguments, 1 when the server cannot be reached,
+130 when interrupted (Ctrl-C), after writing the levels that finished.
 """
 
 from __future__ import annotations
@@ -218,16 +219,20 @@ async def check_reachable(client: httpx.AsyncClient, url: str) -> None:
 
 
 async def run_ladder(
-    args: argparse.Namespace, levels: Sequence[int], console: Console
-) -> tuple[dict[str, Any], list[LevelSummary]]:
-    summaries: list[LevelSummary] = []
+    args: argparse.Namespace,
+    levels: Sequence[int],
+    console: Console,
+    summaries: list[LevelSummary],
+    settings: dict[str, Any],
+) -> None:
+    """Run every level; ``settings`` gets the run's settings, ``summaries`` each finished level."""
     async with make_client(max(levels), args.timeout_s) as client:
         await check_reachable(client, args.url)
         model = await resolve_model(client, args.url, args)
         count = args.requests_per_level or 256
         plan = plan_from(args, args.url, model, count)
         prompts = PromptCycle(plan.prompts)
-        settings = {
+        settings |= {
             **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "model": model,
             "levels": list(levels),
@@ -256,7 +261,6 @@ async def run_ladder(
                     )
 
                 summaries.append(await run_level(client, plan, level, prompts, on_result=tick))
-    return settings, summaries
 
 
 def write_all(
@@ -280,17 +284,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompts_from(args, 1)  # a bad dataset or length spec fails before any load
     except (UsageError, WorkloadError) as exc:
         parser.error(str(exc))
+    summaries: list[LevelSummary] = []
+    settings: dict[str, Any] = {}
+    status = 0
     try:
-        settings, summaries = asyncio.run(run_ladder(args, levels, console))
+        asyncio.run(run_ladder(args, levels, console, summaries, settings))
     except ConnectionError as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 1
+    except KeyboardInterrupt:
+        # Keep what was measured: the finished levels are written, the one running is dropped.
+        console.print(f"[yellow]interrupted:[/yellow] {len(summaries)} level(s) finished")
+        settings["interrupted"] = True
+        status = 130
+        if not summaries:
+            return status
     title = args.title or f"{settings['model']} @ {args.url}"
     write_all(args.out, settings, summaries, title)
     wide = Console(width=None if sys.stdout.isatty() else 160)
     wide.print(report.table(summaries, title=title))
     console.print(f"wrote {args.out}/results.json, results.csv, ladder.png")
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -146,3 +149,66 @@ def wait_until_ready(url: str, replicas: int) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"router never saw {replicas} ready replicas: {body}")
+
+
+class StallingServer(ThreadingHTTPServer):
+    """Answers the first ``answer`` completions at once, then holds every later one."""
+
+    def __init__(self, answer: int) -> None:
+        super().__init__(("127.0.0.1", 0), StallingHandler)
+        self.answer = answer
+        self.posts = 0
+        self.stalled = threading.Event()
+        self.release = threading.Event()
+
+
+class StallingHandler(BaseHTTPRequestHandler):
+    server: StallingServer
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.posts += 1
+        if self.server.posts > self.server.answer:
+            self.server.stalled.set()
+            self.server.release.wait(30)
+        body = json.dumps({"choices": [{"text": "x"}], "usage": {"completion_tokens": 1}})
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+
+def test_ctrl_c_keeps_the_levels_that_finished(tmp_path: Path) -> None:
+    server = StallingServer(answer=3)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    ladder = subprocess.Popen(
+        [sys.executable, "-m", "bench.ladder", "--url", url, "--levels", "1,2",
+         "--requests-per-level", "3", "--out", str(tmp_path)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stalled.wait(30), "the second level never started"
+        ladder.send_signal(signal.SIGINT)
+        _, err = ladder.communicate(timeout=30)
+    finally:
+        ladder.kill()
+        server.release.set()
+        server.shutdown()
+        server.server_close()
+    assert ladder.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "interrupted" in err
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["settings"]["interrupted"] is True
+    assert [(lv["concurrency"], lv["ok"]) for lv in data["levels"]] == [(1, 3)]
+    assert (tmp_path / "results.csv").read_text().count("\n") == 2
