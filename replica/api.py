@@ -214,6 +214,7 @@ async def chat_completions(request: Request) -> Response:
         raise InvalidRequest(
             f"messages: the model's chat template cannot render them: {exc}", param="messages"
         ) from exc
+    _check_text(state, prompt, "messages")  # the template's own text counts before tokenizing
     _check_tokens(state, prompt, "messages")
     return await execute(request, state, _openai_job("chat", prompt, params, body))
 

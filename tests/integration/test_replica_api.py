@@ -153,6 +153,12 @@ async def test_models_lists_the_model(client: httpx.AsyncClient) -> None:
             400,
             ["21 tokens", "max_input_tokens"],
         ),
+        (  # empty contents, but the rendered chat is long: refused before tokenizing it
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": ""}] * 40},
+            400,
+            ["messages is 290 characters", "limit of 200 characters", "max_input_chars"],
+        ),
         (
             "/v1/completions",
             {"prompt": "hi", "max_tokens": 33},
