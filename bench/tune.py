@@ -10,7 +10,7 @@ failed request, peak memory above (total - headroom), or a missed SLO (goodput b
 With ``--url`` it starts nothing and cannot change the server's max_concurrency: it ladders the
 CLIENT concurrency only and reports the largest level that passed; ``--write`` is refused then.
 Exit status: 0 with a recommendation, 1 when even the first step failed or a replica would not
-start, 2 for bad arguments.
+start, 2 for bad arguments, 130 when interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -290,6 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ReplicaStartError, ConnectionError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 1
+    except KeyboardInterrupt:  # the step's replica was stopped on the way out
+        console.print("[yellow]interrupted:[/yellow] no recommendation, nothing written")
+        return 130
     best = recommend(steps)
     what = "client concurrency" if args.url else "max_concurrency"
     Console(width=None if sys.stdout.isatty() else 160).print(

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.support import REPO, replica_process
@@ -119,3 +121,42 @@ def test_tune_reports_a_replica_that_cannot_start(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "exited" in done.stderr and "bogus" in done.stderr
     assert config.read_text() == CONFIG.replace("decode_ms=5", "bogus=1")
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def test_ctrl_c_stops_the_step_replica_and_exits_130(tmp_path: Path) -> None:
+    config = tmp_path / "slow.yaml"
+    config.write_text(CONFIG.replace("decode_ms=5", "decode_ms=200"))
+    tune = subprocess.Popen(
+        [sys.executable, "-m", "bench.tune", str(config), "--requests-per-level", "50"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        replicas: list[int] = []
+        for _ in range(300):  # bounded: the step's replica appears within 30 s
+            replicas = children_of(tune.pid)
+            if replicas:
+                break
+            time.sleep(0.1)
+        assert replicas, "tune never started a replica"
+        tune.send_signal(signal.SIGINT)
+        _, err = tune.communicate(timeout=60)
+    finally:
+        tune.kill()
+        tune.wait(10)
+    assert tune.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "interrupted" in err
+    assert not any(Path(f"/proc/{pid}").exists() for pid in replicas)
+    assert config.read_text() == CONFIG.replace("decode_ms=5", "decode_ms=200")
