@@ -20,7 +20,7 @@ from rich.console import Console
 from deploy.drain import admin_key
 from deploy.launcher import run_up
 from deploy.state import read_state, state_path
-from deploy.status import StatusError, build_table, fetch_replicas, router_port
+from deploy.status import StatusError, build_table, fetch_replicas, local_router_port
 
 PASSTHROUGH = {
     "replica": ("replica", "Run one replica server (python -m replica)"),
@@ -84,7 +84,8 @@ def status(
     except StatusError as exc:
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         raise typer.Exit(1) from exc
-    launcher = read_state(state_path(os.environ, router_port(url)))
+    port = local_router_port(url)
+    launcher = read_state(state_path(os.environ, port)) if port is not None else None
     console.print(build_table(replicas, launcher, url))
     if launcher is None:
         console.print("restarts: no `gpupool up` on this machine runs this router", style="dim")

@@ -40,8 +40,11 @@ def fetch_replicas(
     return [i for i in items if isinstance(i, dict)]
 
 
-def router_port(url: str) -> int:
+def local_router_port(url: str) -> int | None:
+    """The port of a router on this machine (its `gpupool up` keeps a state file), else None."""
     parts = urlsplit(url)
+    if parts.hostname not in ("127.0.0.1", "localhost", "0.0.0.0", "::1"):
+        return None
     if parts.port is not None:
         return parts.port
     return 443 if parts.scheme == "https" else 80

@@ -6,7 +6,7 @@ from typing import Any
 
 from rich.console import Console
 
-from deploy.status import build_table, router_port
+from deploy.status import build_table, local_router_port
 
 
 def render(replicas: list[dict[str, Any]], launcher: dict[str, Any] | None) -> str:
@@ -65,6 +65,9 @@ def test_without_a_launcher_restarts_are_unknown() -> None:
     assert [c.strip() for c in table["gpu0"].split("│")[1:-1]][6] == "-"
 
 
-def test_router_port_comes_from_the_url() -> None:
-    assert router_port("http://10.0.0.5:8123") == 8123
-    assert router_port("https://gpupool.example.com") == 443
+def test_restarts_are_looked_up_only_for_a_router_on_this_machine() -> None:
+    assert local_router_port("http://127.0.0.1:8123") == 8123
+    assert local_router_port("http://localhost") == 80
+    # Another host's router: this machine's `gpupool up` on the same port is not its launcher.
+    assert local_router_port("http://10.0.0.5:8000") is None
+    assert local_router_port("https://gpupool.example.com") is None
