@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -166,6 +167,16 @@ def check_load_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name}: out of range ({value})")
 
 
+def prepare_out(out: Path) -> None:
+    """Create the output folder before any load is sent, so a bad --out costs no run."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {out}: cannot create the folder: {exc.strerror or exc}") from exc
+    if not os.access(out, os.W_OK):
+        raise UsageError(f"--out {out}: the folder is not writable")
+
+
 def prompts_from(args: argparse.Namespace, count: int) -> list[Prompt]:
     if args.dataset is not None:
         return load_dataset(args.dataset)
@@ -282,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_load_args(args)
         slo_from(args)
         prompts_from(args, 1)  # a bad dataset or length spec fails before any load
+        prepare_out(args.out)
     except (UsageError, WorkloadError) as exc:
         parser.error(str(exc))
     summaries: list[LevelSummary] = []

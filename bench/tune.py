@@ -34,6 +34,7 @@ from bench.ladder import (
     check_load_args,
     check_reachable,
     plan_from,
+    prepare_out,
     resolve_model,
 )
 from bench.replica_proc import ReplicaStartError, replica
@@ -280,6 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"--headroom-mb: must be >= 0, got {args.headroom_mb}")
         check_load_args(args)
         plan_from(args, args.url or "http://127.0.0.1", "x", 1)  # validates SLO and prompts
+        if args.out is not None:
+            prepare_out(args.out)
         if args.config is not None:
             config = load_config(args.config)
         _replica_choice(args, config)

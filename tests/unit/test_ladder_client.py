@@ -102,6 +102,7 @@ async def test_rejection_oom_and_stream_error_are_told_apart() -> None:
         ["--url", "http://x", "--prompt-tokens", "100000000"],  # would build GBs of prompts
         ["--url", "http://x", "--levels", "1,3000000000000"],  # a task per client: no memory
         ["--url", "http://x", "--slo-e2e-ms", "nan"],  # would pass every request
+        ["--url", "http://x", "--out", __file__],  # a file: found before the run, not after
     ],
 )
 def test_ladder_refuses_bad_arguments(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -130,6 +131,7 @@ def test_ladder_reports_an_unreachable_server(tmp_path: object) -> None:
         (["--url", "http://x", "--headroom-mb", "-5"], "--headroom-mb"),
         (["--url", "http://x", "--min-goodput", "2"], "--min-goodput"),
         (["--url", "http://x", "--up-to", "0"], "--up-to"),
+        (["--url", "http://x", "--out", __file__], "--out"),
     ],
 )
 def test_tune_refuses_bad_arguments(
