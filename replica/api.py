@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import zlib
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -60,10 +61,36 @@ async def _read_json(request: Request, limit: int) -> Any:
             chunks.append(chunk)
     except ClientDisconnect as exc:
         raise ClientDisconnected("the client closed the connection while sending") from exc
+    body = _decode(b"".join(chunks), request.headers.get("content-encoding", ""), limit)
     try:
-        return json.loads(b"".join(chunks))
+        return json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+
+
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def _decode(raw: bytes, encoding: str, limit: int) -> bytes:
+    """Undo a gzip/deflate Content-Encoding (the router passes it on); the cap holds after."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    if encoding not in _WBITS:
+        raise InvalidRequest(
+            f"Content-Encoding {encoding!r} is not supported (gzip, deflate or none)"
+        )
+    inflater = zlib.decompressobj(_WBITS[encoding])
+    try:
+        body = inflater.decompress(raw, limit + 1)
+    except zlib.error as exc:
+        raise InvalidRequest(f"request body is not valid {encoding}: {exc}") from exc
+    if len(body) > limit:
+        raise PayloadTooLarge(
+            f"request body is more than {limit} bytes once decompressed ({encoding}), above "
+            f"the limit of {limit} bytes (max_body_bytes)"
+        )
+    return body
 
 
 async def _parse(request: Request, state: ReplicaState, model: type[M]) -> M:

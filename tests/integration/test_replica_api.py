@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
+import zlib
 from collections.abc import AsyncIterator
 
 import httpx
@@ -257,6 +259,41 @@ async def test_body_over_the_cap_is_413_by_header_and_by_bytes(client: httpx.Asy
     assert streamed.status_code == 413
     message = streamed.json()["error"]["message"]
     assert "at least 5000 bytes, above the limit of 4096 bytes (max_body_bytes)" in message
+
+
+async def test_gzip_and_deflate_bodies_are_decoded_under_the_same_cap(
+    client: httpx.AsyncClient,
+) -> None:
+    payload = json.dumps({"prompt": "one two", "max_tokens": 2}).encode()
+    gz = await client.post(
+        "/v1/completions",
+        content=gzip.compress(payload),
+        headers={**JSON, "content-encoding": "gzip"},
+    )
+    deflated = await client.post(
+        "/v1/completions",
+        content=zlib.compress(payload),
+        headers={**JSON, "content-encoding": "deflate"},
+    )
+    bomb = await client.post(
+        "/v1/completions",
+        content=gzip.compress(b" " * 100_000 + payload),
+        headers={**JSON, "content-encoding": "gzip"},
+    )
+    broken = await client.post(
+        "/v1/completions", content=payload, headers={**JSON, "content-encoding": "gzip"}
+    )
+    brotli = await client.post(
+        "/v1/completions", content=payload, headers={**JSON, "content-encoding": "br"}
+    )
+    assert (gz.status_code, deflated.status_code) == (200, 200)
+    assert gz.json()["usage"]["prompt_tokens"] == 2
+    assert bomb.status_code == 413
+    assert "more than 4096 bytes once decompressed" in bomb.json()["error"]["message"]
+    assert broken.status_code == 400
+    assert "not valid gzip" in broken.json()["error"]["message"]
+    assert brotli.status_code == 400
+    assert "Content-Encoding 'br' is not supported" in brotli.json()["error"]["message"]
 
 
 async def test_unknown_route_and_method_are_error_bodies(client: httpx.AsyncClient) -> None:
