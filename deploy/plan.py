@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from common.config import ConfigError, DeploymentConfig
+from common.config import ConfigError, DeploymentConfig, parse_config
 from common.gpu import GpuInfo
 
 MIB = 1024 * 1024
@@ -53,7 +53,8 @@ def resolve_devices(
 ) -> DeploymentConfig:
     """The config with ``devices: all`` replaced by the GPU indices NVML sees.
 
-    Raises ConfigError when ``all`` finds no GPU or a listed index does not exist.
+    Raises ConfigError when ``all`` finds no GPU, a listed index does not exist, or the ports of
+    the GPUs found collide with the router's (checked again now that the count is known).
     """
     present = [g.index for g in gpus]
     why = f" ({nvml_error})" if nvml_error else ""
@@ -74,8 +75,9 @@ def resolve_devices(
                 f"(GPUs present: {seen}){why}"
             )
         resolved = list(devices)
-    replicas = cfg.replicas.model_copy(update={"devices": resolved})
-    return cfg.model_copy(update={"replicas": replicas})
+    data = cfg.model_dump()
+    data["replicas"]["devices"] = resolved
+    return parse_config(data, origin=f'replicas.devices: "all" = {resolved}')
 
 
 def child_env(extra: Mapping[str, str], base: Mapping[str, str]) -> dict[str, str]:

@@ -76,6 +76,15 @@ def test_devices_all_resolves_to_every_gpu_nvml_sees() -> None:
     assert [s.name for s in resolved.replica_settings()] == ["gpu0", "gpu1"]
 
 
+def test_devices_all_is_checked_for_port_collisions_once_the_gpus_are_counted() -> None:
+    cfg = parse_config(
+        {"replicas": {"devices": "all", "port_base": 9100}, "router": {"port": 9102}}
+    )
+    assert resolve_devices(cfg, [gpu(0, 70), gpu(1, 70)], None).router.port == 9102
+    with pytest.raises(ConfigError, match=r"router\.port: 9102 collides with the replica ports"):
+        resolve_devices(cfg, [gpu(0, 70), gpu(1, 70), gpu(2, 70)], None)
+
+
 def test_devices_all_without_a_gpu_is_a_clear_error_with_nvmls_reason() -> None:
     cfg = parse_config({"replicas": {"devices": "all"}})
     with pytest.raises(ConfigError, match=r'"all" but no GPU was found \(driver not loaded\)'):
