@@ -21,9 +21,6 @@ from bench.workload import Endpoint, Prompt
 
 Clock = Callable[[], float]
 
-# Where a replica reports how long the request waited for a slot (see replica/api.py).
-QUEUE_WAIT_HEADERS = ("X-Queue-Wait-Ms",)
-
 _OOM = re.compile(r"out of (\w+ )?memory", re.IGNORECASE)
 
 _PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -92,7 +89,6 @@ async def _send_plain(
         latency_s=latency,
         output_tokens=_count(usage, "completion_tokens", 0),
         prompt_tokens=_count(usage, "prompt_tokens", 0),
-        queue_wait_s=_queue_wait(response.headers),
     )
 
 
@@ -111,7 +107,6 @@ async def _send_stream(
     ) as response:
         if response.status_code != 200:
             return _error_result(response.status_code, await response.aread())
-        queue_wait = _queue_wait(response.headers)
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -153,7 +148,6 @@ async def _send_stream(
         itl_s=tuple(gaps),
         output_tokens=_count(usage, "completion_tokens", chunks),
         prompt_tokens=_count(usage, "prompt_tokens", 0),
-        queue_wait_s=queue_wait,
         streamed=True,
     )
 
@@ -201,14 +195,3 @@ def _error_result(status: int, content: bytes) -> RequestResult:
         code = str(body["error"].get("code") or "")
     oom = status == 503 and ("memory" in code.lower() or is_oom_message(message))
     return RequestResult(status=status, error=message[:200], oom=oom)
-
-
-def _queue_wait(headers: httpx.Headers) -> float | None:
-    for name in QUEUE_WAIT_HEADERS:
-        value = headers.get(name)
-        if value is not None:
-            try:
-                return float(value) / 1000.0
-            except ValueError:
-                return None
-    return None

@@ -43,7 +43,6 @@ class RequestResult:
     itl_s: tuple[float, ...] = ()
     output_tokens: int = 0
     prompt_tokens: int = 0
-    queue_wait_s: float | None = None  # as reported by the server, when it reports it
     oom: bool = False  # the server said it ran out of device memory
     streamed: bool = False  # token timing seen (TPOT and ITL exist only then)
 
@@ -167,7 +166,7 @@ class LevelSummary(BaseModel):
     itl_ms: Percentiles
     e2e_ms: Percentiles
     queue_wait_ms: Percentiles | None = None  # None: the server reports no queue wait
-    queue_wait_source: str | None = None  # "header" (per request) or "metrics" (histogram delta)
+    queue_wait_source: str | None = None  # "metrics": the replicas' histogram around the level
     goodput: float | None = None  # share of all requests that met every SLO; None: no SLO
     goodput_rate: float | None = None  # such requests per second
     memory: dict[str, ReplicaMemory] = {}
@@ -189,7 +188,7 @@ class LevelInput:
     slo: Slo = field(default_factory=Slo)
     memory: Mapping[str, ReplicaMemory] = field(default_factory=dict)
     stopped_early: bool = False
-    # Queue wait from the server's /metrics, used when responses carry no per-request figure.
+    # Queue wait over the level from the replicas' /metrics (None: none reports it).
     queue_wait_from_metrics: Percentiles | None = None
 
 
@@ -200,10 +199,7 @@ def summarize(level: LevelInput) -> LevelSummary:
     failures = Counter(r.failure_key for r in results if not r.ok and not r.rejected)
     duration = max(level.duration_s, 1e-9)
     output_tokens = sum(r.output_tokens for r in good)
-    waits = [r.queue_wait_s for r in good if r.queue_wait_s is not None]
-    queue_wait, source = level.queue_wait_from_metrics, "metrics"
-    if waits:
-        queue_wait, source = Percentiles.of_seconds(waits), "header"
+    queue_wait = level.queue_wait_from_metrics
     goodput: float | None = None
     goodput_rate: float | None = None
     if level.slo.any:
@@ -228,7 +224,7 @@ def summarize(level: LevelInput) -> LevelSummary:
         itl_ms=Percentiles.of_seconds(gap for r in good for gap in r.itl_s),
         e2e_ms=Percentiles.of_seconds(r.latency_s for r in good if r.latency_s is not None),
         queue_wait_ms=queue_wait,
-        queue_wait_source=source if queue_wait is not None else None,
+        queue_wait_source="metrics" if queue_wait is not None else None,
         goodput=goodput,
         goodput_rate=goodput_rate,
         memory=dict(level.memory),
