@@ -113,7 +113,7 @@ def add_load_options(p: argparse.ArgumentParser) -> None:
         "--sample-interval-s",
         type=float,
         default=0.1,
-        help="how often memory is sampled during a level (default 0.1)",
+        help="how often memory is sampled during a level (default 0.1, at least 0.01)",
     )
     p.add_argument(
         "--reject-pause-ms",
@@ -159,7 +159,7 @@ def check_load_args(args: argparse.Namespace) -> None:
         ("max-level-s", args.max_level_s, lambda v: v > 0),
         ("max-tokens", args.max_tokens, lambda v: v >= 1),
         ("timeout-s", args.timeout_s, lambda v: v > 0),
-        ("sample-interval-s", args.sample_interval_s, lambda v: v > 0),
+        ("sample-interval-s", args.sample_interval_s, lambda v: v >= 0.01),  # no busy polling
         ("reject-pause-ms", args.reject_pause_ms, lambda v: v >= 0),
     ]
     for name, value, ok in checks:

@@ -103,6 +103,7 @@ async def test_rejection_oom_and_stream_error_are_told_apart() -> None:
         ["--url", "http://x", "--levels", "1,3000000000000"],  # a task per client: no memory
         ["--url", "http://x", "--slo-e2e-ms", "nan"],  # would pass every request
         ["--url", "http://x", "--out", __file__],  # a file: found before the run, not after
+        ["--url", "http://x", "--sample-interval-s", "1e-9"],  # would flood /health
     ],
 )
 def test_ladder_refuses_bad_arguments(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
