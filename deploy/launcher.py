@@ -374,8 +374,19 @@ def run_up(config_arg: str | None, console: Console, env: Mapping[str, str] | No
         console.print("interrupted; nothing was started")
         return 130
     # Children read the resolved file: `devices: all` already replaced by GPU indices.
-    run_dir.mkdir(parents=True, exist_ok=True)
-    resolved.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        resolved.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    except OSError as exc:
+        console.print(
+            Text(
+                f"error: cannot write the state dir {run_dir}: {exc.strerror or exc} "
+                "(set GPUPOOL_STATE_DIR to a writable folder)",
+                style="bold red",
+            ),
+            soft_wrap=True,
+        )
+        return 2
     launcher = Launcher(
         cfg=cfg,
         specs=specs,

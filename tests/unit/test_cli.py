@@ -90,6 +90,20 @@ def test_a_port_in_use_is_named_and_nothing_starts(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("up-*.json"))
 
 
+def test_a_state_dir_that_cannot_be_written_is_a_clear_error(tmp_path: Path) -> None:
+    config = tmp_path / "up.yaml"
+    config.write_text(
+        "model: {source: simulated}\n"
+        f"replicas: {{devices: [cpu], port_base: {free_port()}}}\n"
+        f"router: {{port: {free_port()}}}\n"
+    )
+    (tmp_path / "a-file").write_text("")
+    out = gpupool("up", str(config), state_dir=tmp_path / "a-file" / "state")
+    assert out.returncode == 2
+    assert "cannot write the state dir" in out.stdout and "GPUPOOL_STATE_DIR" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr
+
+
 def test_status_without_a_router_is_a_clear_error(tmp_path: Path) -> None:
     port = free_port()
     out = gpupool("status", "--url", f"http://127.0.0.1:{port}", state_dir=tmp_path)
