@@ -3,8 +3,9 @@
 For C = 1, 2, 4, ... (up to ``--up-to``) it starts ONE replica from the config with
 ``--max-concurrency C`` on a free loopback port, runs one ladder level of C closed-loop clients
 against it, and stops the replica. It stops at the first step with an out-of-memory answer, any
-failed request, peak memory above (total - headroom), or a missed SLO (goodput below
-``--min-goodput``), and recommends the last step that passed, with the evidence table.
+failed or rejected (429) request, peak memory above (total - headroom), or a missed SLO
+(goodput below ``--min-goodput``), and recommends the last step that passed, with the evidence
+table.
 ``--write`` puts the value into the YAML's ``replicas.max_concurrency`` (comments kept).
 
 With ``--url`` it starts nothing and cannot change the server's max_concurrency: it ladders the
@@ -65,6 +66,8 @@ def judge(
     if summary.failed:
         failures = ", ".join(f"{k}: {v}" for k, v in summary.failed_by_status.items())
         return f"failed requests ({failures})", limit
+    if summary.rejected:  # the server could not take this load (only seen with --url)
+        return f"rejected requests (429: {summary.rejected})", limit
     peak = summary.peak_memory_mb
     if limit is not None and peak is not None and peak > limit:
         return f"memory {peak:.0f} MiB above total - headroom ({limit:.0f} MiB)", limit

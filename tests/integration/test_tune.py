@@ -114,6 +114,28 @@ def test_tune_against_a_url_stops_at_a_missed_slo(tmp_path: Path) -> None:
     assert "missed SLO" in steps[-1]["problem"]
 
 
+def test_tune_against_a_url_stops_when_the_server_rejects_load(tmp_path: Path) -> None:
+    # One slot, no queue: a second client gets 429s. No SLO is given; the 429s alone decide.
+    with replica_process(
+        "--model",
+        "simulated:decode_ms=5,prefill_ms=0",
+        "--max-concurrency",
+        "1",
+        "--max-queue",
+        "0",
+        ready_timeout_s=60,
+    ) as replica:
+        done = run_tune(
+            "--url", replica.url, "--max-tokens", "10", "--prompt-tokens", "8", "--up-to", "8",
+            "--out", str(tmp_path),
+        )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "recommended client concurrency: 1" in done.stdout
+    steps = json.loads((tmp_path / "tune.json").read_text())["steps"]
+    assert [s["concurrency"] for s in steps] == [1, 2]
+    assert "429" in steps[-1]["problem"]
+
+
 def test_tune_reports_a_replica_that_cannot_start(tmp_path: Path) -> None:
     config = tmp_path / "bad.yaml"
     config.write_text(CONFIG.replace("decode_ms=5", "bogus=1"))
