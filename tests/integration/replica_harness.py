@@ -72,6 +72,21 @@ async def serve(app: FastAPI) -> AsyncIterator[str]:
         await asyncio.wait_for(task, 15)
 
 
+async def read_then_leave(
+    client: httpx.AsyncClient, payload: dict[str, Any], request_id: str, events: int = 3
+) -> None:
+    """Stream ``POST /v1/completions``, read ``events`` SSE events, then close the connection
+    (as a client that gives up does)."""
+    headers = {"X-Request-ID": request_id}
+    async with client.stream("POST", "/v1/completions", json=payload, headers=headers) as r:
+        assert r.status_code == 200
+        lines = r.aiter_lines()
+        got = 0
+        while got < events:
+            if (await anext(lines)).startswith("data: "):
+                got += 1
+
+
 def sse_events(body: str) -> list[Any]:
     """The ``data:`` payloads of an SSE body, JSON-decoded except the final ``[DONE]``."""
     out: list[Any] = []

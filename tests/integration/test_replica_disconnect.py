@@ -14,6 +14,7 @@ from replica.simulated import SimulatedEngine, SimulatedOptions
 from tests.integration.replica_harness import (
     blocking_app,
     make_settings,
+    read_then_leave,
     serve,
     state_of,
     wait_until,
@@ -52,14 +53,7 @@ async def test_client_gone_mid_stream_stops_generation_and_frees_the_slot(
     gate = state_of(app).gate
     payload = {"prompt": "go", "max_tokens": 500, "stream": True}
     async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=10) as client:
-        headers = {"X-Request-ID": "cut-1"}
-        async with client.stream("POST", "/v1/completions", json=payload, headers=headers) as r:
-            assert r.status_code == 200
-            lines = r.aiter_lines()
-            got = 0
-            while got < 3:
-                if (await anext(lines)).startswith("data: "):
-                    got += 1
+        await read_then_leave(client, payload, "cut-1")
         await wait_until(lambda: engine.active == 0 and gate.in_flight == 0, what="slot freed")
         after = await client.post("/generate", json={"text": "x", "max_tokens": 1})
         whole = await client.post(

@@ -14,6 +14,7 @@ from replica.app import create_app
 from tests.integration.replica_harness import (
     client_for,
     make_settings,
+    read_then_leave,
     serve,
     sse_events,
     state_of,
@@ -77,15 +78,7 @@ async def test_client_gone_mid_stream_stops_the_decode_thread_and_frees_the_slot
     # tiny-random never emits its EOS: only the client leaving can end this stream early
     payload = {"prompt": "hi", "max_tokens": 1_000_000, "temperature": 0, "stream": True}
     async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
-        headers = {"X-Request-ID": "cut-torch"}
-        async with client.stream("POST", "/v1/completions", json=payload, headers=headers) as r:
-            assert r.status_code == 200
-            lines = r.aiter_lines()
-            got = 0
-            while got < 3:
-                if (await anext(lines)).startswith("data: "):
-                    got += 1
-            assert engine.workers_alive == 1
+        await read_then_leave(client, payload, "cut-torch")
         await wait_until(
             lambda: engine.workers_alive == 0 and gate.in_flight == 0, 20, "decode thread ended"
         )
