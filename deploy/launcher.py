@@ -48,7 +48,12 @@ from deploy.state import read_state, state_dir, state_path, write_state
 POLL_S = 0.2  # how often exits are noticed and the loading table is redrawn
 # How often a starting child's /health is asked: a loading replica logs each 503 it answers.
 PROBE_S = 1.0
-ROUTER_READY_TIMEOUT_S = 120.0
+# Why a child is not ready in time, by kind: replicas load slowly; the router's /health is 503
+# until at least one replica answers ready.
+LATE_HINT = {
+    "replica": "raise replicas.ready_timeout_s if loading is just slow",
+    "router": "it has no ready replica: are remote_replicas / router.discovery reachable?",
+}
 
 
 @dataclass
@@ -75,6 +80,7 @@ class Launcher:
     config_file: Path | None = None  # the resolved YAML the children read; removed at the end
     clock: Callable[[], float] = time.monotonic
     grace_s: float = 10.0
+    router_ready_timeout_s: float = 120.0
     stop: threading.Event = field(default_factory=threading.Event)
     force: threading.Event = field(default_factory=threading.Event)
     _print_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -191,11 +197,9 @@ class Launcher:
                         t.state = "ready"
                         self._save()
                 if self.clock() >= deadline:
-                    late = ", ".join(n for n in names if self.tracked[n].state != "ready")
-                    return (
-                        f"not ready after {timeout_s:.0f}s: {late} "
-                        "(raise replicas.ready_timeout_s if loading is just slow)"
-                    )
+                    late = [n for n in names if self.tracked[n].state != "ready"]
+                    hint = LATE_HINT[self.tracked[late[0]].spec.kind]
+                    return f"not ready after {timeout_s:.0f}s: {', '.join(late)} ({hint})"
                 live.update(self._table(names, began))
                 self.stop.wait(POLL_S)
 
@@ -210,7 +214,7 @@ class Launcher:
             if problem is not None:
                 return problem
         self._start(self.tracked["router"])
-        return self._wait_ready(["router"], ROUTER_READY_TIMEOUT_S)
+        return self._wait_ready(["router"], self.router_ready_timeout_s)
 
     def summary(self) -> None:
         specs = [t.spec for t in self.tracked.values()]

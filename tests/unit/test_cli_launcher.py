@@ -58,7 +58,7 @@ def spec(name: str, kind: str, port: int, status: int = 200, life: float = 0) ->
 
 
 def make(
-    tmp_path: Path, replica: ChildSpec | None, **replicas: object
+    tmp_path: Path, replica: ChildSpec | None, router_status: int = 200, **replicas: object
 ) -> tuple[Launcher, io.StringIO]:
     """A launcher of ``replica`` and a router; with no replica, a router-only host."""
     out = io.StringIO()
@@ -67,7 +67,10 @@ def make(
     cfg = parse_config({"replicas": {"devices": devices, **replicas}, "remote_replicas": remote})
     launcher = Launcher(
         cfg=cfg,
-        specs=[*([replica] if replica else []), spec("router", "router", free_port())],
+        specs=[
+            *([replica] if replica else []),
+            spec("router", "router", free_port(), router_status),
+        ],
         console=Console(file=out, width=200),
         env=child_env({}, {"PATH": "/usr/bin:/bin"}),
         state_file=tmp_path / "up-1.json",
@@ -160,7 +163,7 @@ def test_the_ready_timeout_names_the_replica_that_did_not_load(tmp_path: Path) -
         tmp_path, spec("cpu0", "replica", free_port(), status=503), ready_timeout_s=1.0
     )
     assert launcher.run() == 1
-    assert "error: not ready after 1s: cpu0" in out.getvalue()
+    assert "error: not ready after 1s: cpu0 (raise replicas.ready_timeout_s" in out.getvalue()
     assert not launcher.tracked["cpu0"].child.alive()  # type: ignore[union-attr]
 
 
@@ -184,3 +187,10 @@ def test_a_router_only_host_starts_just_the_router(tmp_path: Path) -> None:
     text = out.getvalue()
     assert "gpupool is up" in text and "replica(s)" not in text
     assert "remote0" in text  # the summary lists the remote replica
+
+
+def test_a_router_with_no_ready_replica_is_named_with_the_likely_reason(tmp_path: Path) -> None:
+    launcher, out = make(tmp_path, None, router_status=503)
+    launcher.router_ready_timeout_s = 1.0
+    assert launcher.run() == 1
+    assert "not ready after 1s: router (it has no ready replica" in out.getvalue()
