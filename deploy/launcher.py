@@ -6,7 +6,7 @@ wait until each reports ready; start the router; supervise (restart crashed chil
 exponential backoff, give up on one that keeps crashing); on SIGTERM/SIGINT drain the router,
 wait for in-flight requests up to ``router.drain_timeout_s``, SIGTERM everything, SIGKILL after a
 grace period. Exit status: 0 after a clean stop, 1 when start-up or the router failed, 2 when the
-configuration or the machine cannot run it (nothing was started).
+configuration or the machine cannot run it (nothing was started), 130 on Ctrl-C before start.
 """
 
 from __future__ import annotations
