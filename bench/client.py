@@ -81,7 +81,7 @@ async def _send_plain(
     try:
         usage = response.json().get("usage") or {}
     except (ValueError, AttributeError):
-        return RequestResult(status=response.status_code, error="bad_json")
+        return RequestResult(status=None, error="bad_json")  # a 200 that is no answer
     return RequestResult(
         status=200,
         ok=True,

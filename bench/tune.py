@@ -37,6 +37,7 @@ from bench.ladder import (
     plan_from,
     prepare_out,
     resolve_model,
+    slo_from,
 )
 from bench.replica_proc import ReplicaStartError, replica
 from bench.runner import PromptCycle, make_client, run_level
@@ -301,6 +302,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     best = recommend(steps)
     what = "client concurrency" if args.url else "max_concurrency"
+    if not slo_from(args).any:
+        console.print(
+            "[yellow]note:[/yellow] no SLO given (--slo-ttft-ms, --slo-tpot-ms, --slo-e2e-ms): "
+            "latency did not limit the value, only failures, 429s and memory"
+        )
     Console(width=None if sys.stdout.isatty() else 160).print(
         evidence_table(steps, title=f"tune: {what} by step")
     )

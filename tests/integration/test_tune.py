@@ -91,6 +91,7 @@ def test_tune_stops_at_the_first_out_of_memory_answer(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "recommended max_concurrency: 2" in done.stdout
     assert not list(logs.iterdir())  # each step's replica log is gone with its replica
+    assert "no SLO given" in done.stderr
     steps = json.loads((tmp_path / "out" / "tune.json").read_text())["steps"]
     assert [s["concurrency"] for s in steps] == [1, 2, 4]
     assert steps[-1]["summary"]["oom"] > 0 and "out of memory" in steps[-1]["problem"]
@@ -109,6 +110,7 @@ def test_tune_against_a_url_stops_at_a_missed_slo(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "recommended client concurrency: 4" in done.stdout
     assert "step client concurrency=1" in done.stderr
+    assert "no SLO given" not in done.stderr
     steps = json.loads((tmp_path / "tune.json").read_text())["steps"]
     assert [s["concurrency"] for s in steps] == [1, 2, 4, 8]
     assert "missed SLO" in steps[-1]["problem"]

@@ -73,6 +73,13 @@ async def test_an_undecodable_answer_is_a_failure_not_a_crash() -> None:
             assert not r.ok and r.failure_key == "transport:DecodingError"
 
 
+async def test_a_plain_200_that_is_not_json_is_named_so() -> None:
+    plain = RequestSpec(base_url="http://r", endpoint="chat", model="m", max_tokens=8, stream=False)
+    async with client_for(200, b"<html>proxy page</html>", []) as client:
+        r = await send(client, plain, Prompt(text="hi"))
+    assert not r.ok and r.failure_key == "bad_json"  # not "failed 200: 1"
+
+
 async def test_rejection_oom_and_stream_error_are_told_apart() -> None:
     prompt = Prompt(text="hi")
     full = json.dumps({"error": {"message": "queue full", "type": "rate_limit_error"}}).encode()
