@@ -46,6 +46,8 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False
         self.complete = False
         self.head_done = False
+        # No Content-Length and not chunked: the body ends when the replica closes.
+        self.until_close = False
         self.error: Exception | None = None
         self.chunks: collections.deque[bytes] = collections.deque()
         self.buffered = 0
@@ -71,6 +73,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.until_close and exc is None and self.error is None:
+            self.complete = True  # the close is the end of this body
+            self._wake()
         if not self.complete:
             suffix = f" ({exc})" if exc is not None else ""
             if self.head_done:
@@ -94,6 +99,13 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
         self.head_done = True
+        names = {name.lower() for name, _ in self.headers}
+        self.until_close = (
+            self.status >= 200
+            and self.status not in (204, 304)
+            and b"content-length" not in names
+            and b"transfer-encoding" not in names
+        )
         self._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -141,7 +153,7 @@ class _Connection(asyncio.Protocol):
 
     def start(self, payload: bytes) -> None:
         self.status, self.headers, self.chunks = 0, [], collections.deque()
-        self.complete = self.head_done = self.keep_alive = False
+        self.complete = self.head_done = self.keep_alive = self.until_close = False
         self.buffered = 0
         assert self.transport is not None
         self.transport.write(payload)
@@ -230,9 +242,14 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
         key: Key = (url.host, url.port or 80)
         body = await request.aread()
         head = [f"{request.method} ".encode(), url.raw_path, b" HTTP/1.1\r\n"]
+        chunked = False
         for name, value in request.headers.raw:
             head += [name, b": ", value, b"\r\n"]
+            chunked = chunked or name.lower() == b"transfer-encoding"
         head.append(b"\r\n")
+        if chunked:
+            # A streamed request body (httpx announced it chunked): read whole, sent as one chunk.
+            body = (b"%x\r\n%b\r\n" % (len(body), body) if body else b"") + b"0\r\n\r\n"
         payload = b"".join(head) + body
         reused = self._take(key)
         conn = reused or await self._connect(key, timeouts.get("connect"))
@@ -241,6 +258,12 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
             conn.start(payload)
             while not conn.head_done:
                 await conn.wait(read_timeout)
+            if request.method == "HEAD":
+                # No body follows whatever Content-Length says; the parser cannot be told so,
+                # so the connection is not reused.
+                conn.until_close = conn.keep_alive = False
+                conn.chunks.clear()
+                conn.complete = True
         except _ClosedBeforeAnswer as exc:
             conn.close()
             if reused is None:

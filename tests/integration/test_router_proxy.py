@@ -140,6 +140,10 @@ def test_errors_are_json(fleet: tuple[Proc, Proc, Proc]) -> None:
     assert 400 <= bad.status_code < 500 and "error" in bad.json()
     unknown = httpx.post(router.url + "/replicas/nope/drain")
     assert unknown.status_code == 404 and "nope" in unknown.json()["error"]["message"]
+    # HEAD (curl -I) is forwarded; the replica's body-less answer ends at its head.
+    head = httpx.head(router.url + "/v1/models", timeout=10)
+    direct = httpx.head(fleet[0].url + "/v1/models", timeout=10)
+    assert head.status_code == direct.status_code and head.content == b""
 
 
 def test_drained_replica_gets_no_work_and_comes_back(fleet: tuple[Proc, Proc, Proc]) -> None:
