@@ -67,7 +67,9 @@ class DnsDiscoverer:
     async def refresh(self) -> None:
         try:
             addresses = await self.resolver(self.config.name, self.config.port)
-        except (OSError, TimeoutError) as exc:  # socket.gaierror is an OSError
+        # socket.gaierror is an OSError; a name IDNA cannot encode (a label over 63
+        # characters) is a UnicodeError.
+        except (OSError, TimeoutError, UnicodeError) as exc:
             self.last_error = f"resolving {self.config.name}: {exc}"
             log.warning("DNS discovery: %s (pool unchanged)", self.last_error)
             return

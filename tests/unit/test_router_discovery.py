@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from common.config import DnsDiscovery
-from router.discovery import DnsDiscoverer, replica_url
+from router.discovery import DnsDiscoverer, replica_url, system_resolver
 from router.pool import Pool, ReplicaState
 
 
@@ -79,6 +79,17 @@ async def test_failed_lookup_keeps_the_pool() -> None:
     await disc.refresh()
     assert [r.name for r in pool.list()] == ["10.0.0.1:9100"]
     assert disc.last_error is not None and "replicas.gpupool.svc" in disc.last_error
+
+
+async def test_a_name_that_cannot_be_resolved_at_all_is_a_failed_lookup() -> None:
+    # A label over 63 characters fails in the IDNA codec, before any query: the router must
+    # start (and keep running) with the error logged, not die with a traceback.
+    pool = Pool()
+    config = DnsDiscovery(name="a" * 70 + ".gpupool.svc", port=9100, interval_s=1.0)
+    disc = DnsDiscoverer(pool, config, system_resolver)
+    await disc.refresh()
+    assert len(pool) == 0
+    assert disc.last_error is not None and "a" * 70 in disc.last_error
 
 
 async def test_replicas_it_did_not_add_are_left_alone() -> None:
