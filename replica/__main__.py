@@ -79,6 +79,11 @@ def _from_config(path: str, name: str | None) -> ReplicaSettings:
     gpus = [g.index for g in list_gpus()] if config.replicas.devices == "all" else None
     entries = config.replica_settings(gpus)
     names = [s.name for s in entries]
+    if not entries:
+        raise ConfigError(
+            f"--config {path} has no local replica to run (replicas.devices is empty: "
+            "a router-only host)"
+        )
     if name is None:
         if len(entries) == 1:
             return entries[0]

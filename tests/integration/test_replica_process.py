@@ -216,6 +216,18 @@ def test_config_and_replica_name_with_flag_override(tmp_path: Path) -> None:
     assert "limit of 7" in too_many.json()["error"]["message"]
 
 
+def test_a_router_only_config_has_no_replica_to_run(tmp_path: Path) -> None:
+    config = tmp_path / "router-only.yaml"
+    config.write_text(
+        "model:\n  source: simulated\nreplicas:\n  devices: []\n"
+        "remote_replicas:\n  - url: http://127.0.0.1:9\n"
+    )
+    for args in ([], ["--replica", "cpu0"]):
+        done = run_main("--config", str(config), *args)
+        assert done.returncode == 2
+        assert "has no local replica to run (replicas.devices is empty" in done.stderr
+
+
 def test_devices_all_without_a_gpu_is_a_clean_error(tmp_path: Path) -> None:
     if list_gpus():
         pytest.skip("NVML sees a GPU here")
