@@ -11,8 +11,9 @@ from its flags.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -277,8 +278,33 @@ _MESSAGES = {
 }
 
 
-def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
-    """One line per problem: ``field.path: problem``."""
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation (``X``, ``X | None``, ``list[X]``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model_in, get_args(annotation)) if m is not None), None)
+
+
+def _did_you_mean(root: type[BaseModel] | None, loc: tuple[int | str, ...]) -> str:
+    """`` (did you mean port?)`` for a misspelt key at ``loc``, or nothing."""
+    model = root
+    for part in loc[:-1]:
+        if model is None:
+            return ""
+        if isinstance(part, str):
+            field = model.model_fields.get(part)
+            model = _model_in(field.annotation) if field is not None else None
+    if model is None:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def format_validation_error(
+    exc: ValidationError, prefix: str = "", root: type[BaseModel] | None = None
+) -> str:
+    """One line per problem: ``field.path: problem``; ``root`` (the validated model) lets a
+    misspelt key suggest the right one."""
     lines = []
     for err in exc.errors():
         # Drop the union-branch names pydantic adds ("int", "literal['cpu']"...).
@@ -292,6 +318,8 @@ def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
         message = template.format(**err.get("ctx", {})) if template else err["msg"]
         if message.startswith("Value error, "):
             message = message[len("Value error, ") :]
+        if err["type"] == "extra_forbidden" and (hint := _did_you_mean(root, tuple(err["loc"]))):
+            message = "unknown key" + hint
         got = err.get("input")
         if err["type"] in _MESSAGES and err["type"] not in ("missing", "extra_forbidden"):
             message += f" (got {got!r})"
@@ -307,9 +335,8 @@ def parse_config(data: Any, origin: str = "config") -> DeploymentConfig:
     try:
         return DeploymentConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(
-            f"{origin}: invalid configuration\n{format_validation_error(exc)}"
-        ) from exc
+        problems = format_validation_error(exc, root=DeploymentConfig)
+        raise ConfigError(f"{origin}: invalid configuration\n{problems}") from exc
 
 
 def load_config(path: str | Path) -> DeploymentConfig:

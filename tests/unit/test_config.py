@@ -33,6 +33,23 @@ def test_unknown_keys_are_errors_not_silently_ignored() -> None:
     assert "replica: unknown key" in message
 
 
+def test_a_misspelt_key_suggests_the_right_one_at_any_depth() -> None:
+    message = error_of(
+        {
+            "replica": {},
+            "replicas": {"max_concurency": 2},
+            "router": {"discovery": {"name": "svc", "intervl_s": 2}},
+            "remote_replicas": [{"url": "http://b:1", "nmae": "b"}],
+        }
+    )
+    assert "replica: unknown key (did you mean replicas?)" in message
+    assert "replicas.max_concurency: unknown key (did you mean max_concurrency?)" in message
+    assert "router.discovery.intervl_s: unknown key (did you mean interval_s?)" in message
+    assert "remote_replicas.0.nmae: unknown key (did you mean name?)" in message
+    # Nothing close: no guess.
+    assert "router.zzz: unknown key (check the spelling" in error_of({"router": {"zzz": 1}})
+
+
 def test_every_problem_is_reported_at_once() -> None:
     message = error_of({"model": {"max_new_tokens": 0}, "replicas": {"max_concurrency": 0}})
     assert "model.max_new_tokens" in message
