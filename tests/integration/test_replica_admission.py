@@ -147,6 +147,31 @@ async def test_simulated_memory_shows_in_health_while_a_request_runs() -> None:
     assert after["peak_memory_bytes"] == 103 * mib
 
 
+async def test_queued_requests_hold_no_device_memory() -> None:
+    release = asyncio.Event()
+
+    async def sleep(_: float) -> None:
+        await release.wait()  # every simulated step waits until the test lets it go
+
+    opts = SimulatedOptions(weights_mb=100, kv_kb_per_token=1024, total_mb=1000)
+    engine = SimulatedEngine(opts, sleep=sleep)
+    app = create_app(make_settings(max_concurrency=1, max_queue=10), engine=engine)
+    prompt = {"text": "one two three four", "max_tokens": 2}
+    async with client_for(app) as client:
+        tasks = [asyncio.create_task(client.post("/generate", json=prompt)) for _ in range(6)]
+        await wait_until(lambda: state_of(app).gate.queued == 5, what="1 running, 5 queued")
+        busy = (await client.get("/health")).json()
+        started_while_busy = engine.started
+        release.set()
+        replies = await gather_bounded(tasks)
+    mib = 1024 * 1024
+    assert (busy["in_flight"], busy["queued"]) == (1, 5)
+    # weights + the KV of the running request's 4 prompt tokens; nothing for the queue
+    assert busy["memory"]["used_bytes"] == (100 + 4) * mib
+    assert started_while_busy == 1
+    assert [r.status_code for r in replies] == [200] * 6
+
+
 async def test_out_of_memory_fails_one_request_and_the_next_succeeds() -> None:
     source = "simulated:decode_ms=0,weights_mb=100,kv_kb_per_token=1024,total_mb=130"
     app = create_app(make_settings(source, max_input_tokens=1000))
