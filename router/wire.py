@@ -9,8 +9,9 @@ from starlette.types import Message, Scope, Send
 
 from common.protocol import ErrorBody
 
-# Request headers forwarded to a replica (the client's Authorization is the router's business).
-FORWARD = {b"content-type", b"content-encoding", b"accept", b"x-request-id", b"user-agent"}
+# Request headers forwarded to a replica (the client's Authorization is the router's business;
+# X-Request-ID is the one the router settled on, which replaces a malformed one).
+FORWARD = {b"content-type", b"content-encoding", b"accept", b"user-agent"}
 # Response headers not passed back (hop-by-hop, or set by our own server/middleware).
 DROP = {
     b"connection",
@@ -36,7 +37,7 @@ def header(scope: Scope, name: bytes) -> str | None:
 
 def forwarded_headers(scope: Scope, request_id: str) -> list[tuple[bytes, bytes]]:
     headers = [(k, v) for k, v in scope["headers"] if k in FORWARD]
-    if request_id and not any(k == b"x-request-id" for k, _ in headers):
+    if request_id:
         headers.append((b"x-request-id", request_id.encode()))
     return headers
 

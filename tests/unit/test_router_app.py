@@ -151,10 +151,18 @@ async def test_request_body_and_id_reach_the_replica(clock: FakeClock) -> None:
 
 
 async def test_invalid_request_id_is_replaced(clock: FakeClock) -> None:
-    async for _, c in running(Replicas(a=ok), clock):
+    seen: list[httpx.Request] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return ok(request)
+
+    async for _, c in running(Replicas(a=record), clock):
         r = await generate_with_id(c, "bad id with spaces")
     assert r.headers["x-request-id"] != "bad id with spaces"
     assert len(r.headers["x-request-id"]) == 32
+    # The replica gets the id the client got back (and logs it), not the malformed one.
+    assert seen[0].headers.get_list("x-request-id") == [r.headers["x-request-id"]]
 
 
 async def generate_with_id(c: httpx.AsyncClient, request_id: str) -> httpx.Response:
