@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.errors import Forbidden, Unauthorized
 
@@ -38,8 +38,9 @@ def _matches(given: bytes, keys: tuple[bytes, ...]) -> bool:
 
 @dataclass(frozen=True)
 class Keys:
-    api: tuple[bytes, ...] = ()
-    admin: tuple[bytes, ...] = ()
+    # Out of repr, so a log line or a traceback showing the object does not show the keys.
+    api: tuple[bytes, ...] = field(default=(), repr=False)
+    admin: tuple[bytes, ...] = field(default=(), repr=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], api_env: str, admin_env: str) -> Keys:

@@ -59,3 +59,4 @@ def test_errors_never_contain_the_key() -> None:
             k.check(header, admin=True)
         except (Unauthorized, Forbidden) as exc:
             assert "secret-guess" not in str(exc) and "k1" not in str(exc)
+    assert "k1" not in repr(k) and "root" not in repr(k)
