@@ -159,7 +159,10 @@ async def test_queued_requests_hold_no_device_memory() -> None:
     prompt = {"text": "one two three four", "max_tokens": 2}
     async with client_for(app) as client:
         tasks = [asyncio.create_task(client.post("/generate", json=prompt)) for _ in range(6)]
-        await wait_until(lambda: state_of(app).gate.queued == 5, what="1 running, 5 queued")
+        await wait_until(
+            lambda: state_of(app).gate.queued == 5 and engine.active == 1,
+            what="1 inside the engine, 5 queued",
+        )
         busy = (await client.get("/health")).json()
         started_while_busy = engine.started
         release.set()
