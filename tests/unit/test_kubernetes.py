@@ -71,6 +71,12 @@ def test_the_router_discovers_the_headless_service_by_dns_and_has_no_local_repli
     assert cfg.router.host == "0.0.0.0"
     # A local replica here would be a dead 127.0.0.1 entry in the router pod's pool.
     assert cfg.replica_settings() == []
+    # Discovered pods start with the capacity the pods really have, until they report it.
+    pods = config_of(found["StatefulSet/gpupool-replica"]).replicas
+    assert (cfg.replicas.max_concurrency, cfg.replicas.max_queue) == (
+        pods.max_concurrency,
+        pods.max_queue,
+    )
 
 
 def test_the_replica_pod_runs_the_replica_its_config_names_on_the_services_port() -> None:
