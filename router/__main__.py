@@ -17,7 +17,7 @@ import uvicorn
 from common.config import ConfigError, DnsDiscovery, RouterConfig, load_config
 from common.gpu import list_gpus
 from router.app import create_app
-from router.settings import ReplicaSpec, RouterSettings, from_deployment
+from router.settings import ReplicaSpec, RouterSettings, check_url, from_deployment
 
 # RouterConfig fields that may be set on the command line: (type, help).
 _KNOBS: dict[str, tuple[type, str]] = {
@@ -106,13 +106,15 @@ def build_settings(args: argparse.Namespace) -> RouterSettings:
         name, sep, url = entry.partition("=")
         if not sep or "://" in name:
             name, url = "", entry
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"--replica {entry!r}: the URL must start with http:// or https://")
-        name = name or url.split("://", 1)[1].rstrip("/")
+        try:
+            url = check_url(url)
+        except ValueError as exc:
+            raise ConfigError(f"--replica {entry!r}: {exc}") from None
+        name = name or url.split("://", 1)[1]
         specs.append(
             ReplicaSpec(
                 name=name,
-                url=url.rstrip("/"),
+                url=url,
                 max_concurrency=settings.default_max_concurrency,
                 max_queue=settings.default_max_queue,
             )

@@ -31,7 +31,7 @@ from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.pool import Pool, ReplicaState
 from router.proxy import Proxy
 from router.requestlog import RequestLog
-from router.settings import RouterSettings
+from router.settings import RouterSettings, check_url
 from router.transport import KeepAliveTransport
 
 log = logging.getLogger("gpupool.router")
@@ -223,9 +223,10 @@ def create_app(
     @app.post("/replicas", status_code=201)
     async def add_replica(request: Request, body: AddReplica) -> dict[str, Any]:
         admin(request)
-        url = body.url.rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise BadRequest(f"url must start with http:// or https://, got {body.url!r}")
+        try:
+            url = check_url(body.url)
+        except ValueError as exc:
+            raise BadRequest(f"url: {exc}") from None
         name = body.name or url.split("://", 1)[1]
         existing = pool.get(name)
         same_url = pool.by_url(url)

@@ -108,7 +108,8 @@ class HealthPoller:
         try:
             async with asyncio.timeout(self.timeout_s):
                 response = await self.client.get(replica.url + "/health", timeout=self.timeout_s)
-        except (httpx.HTTPError, TimeoutError, OSError) as exc:
+        except (httpx.HTTPError, httpx.InvalidURL, TimeoutError, OSError) as exc:
+            # InvalidURL: a URL that got past the checks must not stop the poller for all.
             self.failure(replica, _describe(exc))
             return
         report = _parse_report(response)

@@ -3,10 +3,29 @@
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.config import DeploymentConfig, RouterConfig
+from common.config import ConfigError, DeploymentConfig, RouterConfig
+
+
+def check_url(url: str) -> str:
+    """A replica's base URL without its trailing slash; ValueError saying what is wrong."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{url!r} is not a valid URL ({exc})") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{url!r}: the URL must start with http:// or https://")
+    if not parts.hostname or any(c.isspace() for c in url):
+        raise ValueError(f"{url!r}: no valid host in the URL")
+    if port == 0:
+        raise ValueError(f"{url!r}: port 0 is not a port to connect to")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{url!r}: a replica's base URL has no query or fragment")
+    return url.rstrip("/")
 
 
 class ReplicaSpec(BaseModel):
@@ -53,15 +72,19 @@ def from_deployment(
         )
         for s in local
     ]
-    specs += [
-        ReplicaSpec(
-            name=name,
-            url=url,
-            max_concurrency=config.replicas.max_concurrency,
-            max_queue=config.replicas.max_queue,
+    for name, url in config.remote_endpoints():
+        try:
+            url = check_url(url)
+        except ValueError as exc:
+            raise ConfigError(f"remote_replicas: {name}: {exc}") from None
+        specs.append(
+            ReplicaSpec(
+                name=name,
+                url=url,
+                max_concurrency=config.replicas.max_concurrency,
+                max_queue=config.replicas.max_queue,
+            )
         )
-        for name, url in config.remote_endpoints()
-    ]
     return RouterSettings(
         router=config.router,
         replicas=specs,

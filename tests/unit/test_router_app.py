@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from common.config import RouterConfig
 from router.app import create_app
+from router.pool import ReplicaState
 from router.settings import ReplicaSpec, RouterSettings
 
 
@@ -271,3 +272,19 @@ async def test_a_failed_attempt_with_nothing_else_ready_is_503_not_429(clock: Fa
     assert "server disconnected" in r.json()["error"]["message"]
     # A reset on a kept-alive connection alone does not eject (it may be a keep-alive race).
     assert replica.healthy and replica.errors == 1 and replica.in_flight == 0
+
+
+async def test_a_malformed_replica_url_is_400_and_never_stops_the_poller(
+    clock: FakeClock,
+) -> None:
+    async for app, c in running(Replicas(a=ok), clock):
+        bad = await c.post("/replicas", json={"url": "http://[::1", "name": "v6"})
+        assert bad.status_code == 400 and "not a valid URL" in bad.json()["error"]["message"]
+        assert [r["name"] for r in (await c.get("/replicas")).json()["replicas"]] == ["a"]
+        # Should one get in anyway, its probes fail; the other replicas are still probed.
+        pool = app.state.pool
+        pool.add(ReplicaState(name="v6", url="http://[::1"))
+        a = pool.get("a")
+        a.ready = False
+        await app.state.poller.poll_once()
+        assert a.ready and pool.get("v6").last_error.startswith("health probe failed")

@@ -65,3 +65,37 @@ def test_bad_flag_values_are_config_errors() -> None:
         build_settings(parse_args(["--replica", "http://a:1", "--fail-threshold", "0"]))
     with pytest.raises(ConfigError, match="repeat"):
         build_settings(parse_args(["--replica", "a=http://a:1", "--replica", "a=http://b:1"]))
+    with pytest.raises(ConfigError, match="http:// or https://"):
+        build_settings(parse_args(["--replica", "a=ftp://a:1"]))
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://[::1", "not a valid URL"),
+        ("http://host:99999", "not a valid URL"),
+        ("http://exa mple:9100", "no valid host"),
+        ("http://:9100", "no valid host"),
+        ("http://host:0", "port 0"),
+        ("http://host:9100/?x=1", "no query"),
+    ],
+)
+def test_bad_replica_urls_are_config_errors_naming_the_url(url: str, problem: str) -> None:
+    # Such a URL used to reach the health poller, whose exception stopped it for every replica.
+    with pytest.raises(ConfigError, match=problem) as caught:
+        build_settings(parse_args(["--replica", f"x={url}"]))
+    assert url in str(caught.value)
+    config = parse_config({"replicas": {"devices": []}, "remote_replicas": [{"url": url}]})
+    with pytest.raises(ConfigError, match=f"remote_replicas: remote0: .*{problem}"):
+        from_deployment(config)
+
+
+def test_good_replica_urls_pass() -> None:
+    args = ["--replica=http://[::1]:9100/", "--replica=https://gpu-box/prefix/", "--replica=h:9"]
+    with pytest.raises(ConfigError, match="'h:9'"):
+        build_settings(parse_args(args))
+    settings = build_settings(parse_args(args[:2]))
+    assert [(r.name, r.url) for r in settings.replicas] == [
+        ("[::1]:9100", "http://[::1]:9100"),
+        ("gpu-box/prefix", "https://gpu-box/prefix"),
+    ]
