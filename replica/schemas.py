@@ -1,4 +1,8 @@
-"""OpenAI request shapes the replica accepts (unknown fields are ignored, as OpenAI does)."""
+"""OpenAI request shapes the replica accepts (unknown fields are ignored, as OpenAI does).
+
+Numbers and flags are strict: ``"max_tokens": true`` or ``"stream": "yes"`` is a 422, not 1 or
+True (an int is still a valid float).
+"""
 
 from __future__ import annotations
 
@@ -16,19 +20,19 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class StreamOptions(_Lenient):
-    include_usage: bool = False
+    include_usage: bool = Field(False, strict=True)
 
 
 class Sampling(_Lenient):
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    temperature: float | None = Field(None, ge=0, le=2, strict=True)
+    top_p: float | None = Field(None, gt=0, le=1, strict=True)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, strict=True)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, strict=True)
     user: str | None = None
 
 
@@ -48,13 +52,13 @@ class MessageIn(_Lenient):
 
 class ChatRequest(Sampling):
     messages: list[MessageIn]
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
 
 
 class GenerateRequest(_Lenient):
     text: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    temperature: float | None = Field(None, ge=0, le=2, strict=True)
+    top_p: float | None = Field(None, gt=0, le=1, strict=True)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, strict=True)
     stop: str | list[str] | None = None

@@ -192,6 +192,9 @@ async def test_models_lists_the_model(client: httpx.AsyncClient) -> None:
         ("/v1/completions", {"prompt": 5}, 422, ["prompt"]),
         ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 422, ["max_tokens"]),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 422, ["max_tokens", "got 0"]),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": True}, 422, ["max_tokens", "got True"]),
+        ("/generate", {"text": "hi", "temperature": "0.5"}, 422, ["temperature", "got '0.5'"]),
+        ("/v1/chat/completions", {**CHAT, "stream": "yes"}, 422, ["stream", "got 'yes'"]),
         ("/v1/completions", {"prompt": "hi", "temperature": 3}, 422, ["temperature", "got 3"]),
         (
             "/v1/completions",
