@@ -131,7 +131,7 @@ def install_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid')}" if where else "invalid request"
+        message = f"{where or 'request body'}: {first.get('msg', 'invalid')}"
         body = ErrorBody.make(message, "invalid_request_error", param=where or None)
         return JSONResponse(body.model_dump(), status_code=422)
 

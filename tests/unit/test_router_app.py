@@ -280,6 +280,9 @@ async def test_a_malformed_replica_url_is_400_and_never_stops_the_poller(
     async for app, c in running(Replicas(a=ok), clock):
         bad = await c.post("/replicas", json={"url": "http://[::1", "name": "v6"})
         assert bad.status_code == 400 and "not a valid URL" in bad.json()["error"]["message"]
+        for body, problem in (([1], "request body: "), ({}, "url: Field required")):
+            wrong = await c.post("/replicas", json=body)
+            assert wrong.status_code == 422 and problem in wrong.json()["error"]["message"]
         assert [r["name"] for r in (await c.get("/replicas")).json()["replicas"]] == ["a"]
         # Should one get in anyway, its probes fail; the other replicas are still probed.
         pool = app.state.pool
