@@ -95,7 +95,10 @@ class HealthPoller:
         """Probe every replica each interval, forever (the lifespan cancels it)."""
         while True:
             started = self.clock()
-            await self.poll_once()
+            try:
+                await self.poll_once()
+            except Exception:  # a bug in one probe must not end health checks for good
+                log.exception("health poll failed; polling goes on")
             elapsed = self.clock() - started
             await asyncio.sleep(max(self.interval_s - elapsed, 0.01))
 

@@ -3,7 +3,10 @@ the rules that need exact control of time and of replica answers."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
@@ -13,7 +16,8 @@ from fastapi import FastAPI
 
 from common.config import RouterConfig
 from router.app import create_app
-from router.pool import ReplicaState
+from router.health import HealthPoller
+from router.pool import Pool, ReplicaState
 from router.settings import ReplicaSpec, RouterSettings
 
 
@@ -291,3 +295,38 @@ async def test_a_malformed_replica_url_is_400_and_never_stops_the_poller(
         a.ready = False
         await app.state.poller.poll_once()
         assert a.ready and pool.get("v6").last_error.startswith("health probe failed")
+
+
+async def test_the_poller_outlives_an_unexpected_error() -> None:
+    probed: Counter[str] = Counter()
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        probed[request.url.host] += 1
+        if request.url.host == "odd":
+            raise ValueError("a bug somewhere below the probe")
+        return httpx.Response(200, json=report())
+
+    pool = Pool()
+    for name in ("odd", "fine"):
+        pool.add(ReplicaState(name=name, url=f"http://{name}:9100"))
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        poller = HealthPoller(
+            pool,
+            client,
+            interval_s=0.01,
+            timeout_s=1.0,
+            fail_threshold=1,
+            success_threshold=1,
+            foreign_max_concurrency=1,
+            foreign_max_queue=1,
+            clock=time.monotonic,
+        )
+        task = asyncio.create_task(poller.run())
+        for _ in range(500):
+            if probed["fine"] >= 3 or task.done():
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert probed["fine"] >= 3
