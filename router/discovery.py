@@ -61,7 +61,10 @@ class DnsDiscoverer:
 
     async def run(self) -> None:
         while True:
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:  # discovery must not end for good over one odd answer
+                log.exception("DNS discovery failed (pool unchanged); trying again")
             await asyncio.sleep(self.config.interval_s)
 
     async def refresh(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 
 from common.config import DnsDiscovery
@@ -105,3 +107,23 @@ async def test_replicas_it_did_not_add_are_left_alone() -> None:
 def test_ipv6_urls_are_bracketed() -> None:
     assert replica_url("fd00::5", 9100) == "http://[fd00::5]:9100"
     assert replica_url("10.1.2.3", 80) == "http://10.1.2.3:80"
+
+
+async def test_discovery_outlives_an_unexpected_error() -> None:
+    pool, resolver, _ = make()
+    disc = DnsDiscoverer(pool, DnsDiscovery(name="r.svc", interval_s=0.01), resolver)
+    resolver.answer = RuntimeError("a resolver bug")
+    task = asyncio.create_task(disc.run())
+    for _ in range(500):
+        if len(resolver.calls) >= 2 or task.done():
+            break
+        await asyncio.sleep(0.01)
+    resolver.answer = ["10.0.0.1"]
+    for _ in range(500):
+        if len(pool) or task.done():
+            break
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert [r.name for r in pool.list()] == ["10.0.0.1:9100"]
