@@ -347,6 +347,8 @@ def load_config(path: str | Path) -> DeploymentConfig:
         raise ConfigError(f"{path}: no such file") from exc
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (is it a YAML file?)") from exc
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -130,6 +130,10 @@ def test_a_file_that_is_not_yaml_or_not_a_mapping_is_a_clear_error(tmp_path: Pat
         load_config(scalar)
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "missing.yaml")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(binary)
 
 
 @pytest.mark.parametrize("name", ["local.yaml", "multi-gpu.yaml", "multi-host.yaml"])
