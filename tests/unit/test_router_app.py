@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -330,3 +331,31 @@ async def test_the_poller_outlives_an_unexpected_error() -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     assert probed["fine"] >= 3
+
+
+async def test_retries_stop_when_the_budget_is_spent(clock: FakeClock) -> None:
+    # "a" resets every connection (retried elsewhere, not ejected); the clock stands still,
+    # so the budget holds its initial 10 tokens plus 0.2 per request, and no more.
+    def reset(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadError("connection reset", request=request)
+
+    replicas = Replicas(a=reset, b=ok)
+    settings = RouterSettings(
+        router=RouterConfig.model_validate({"health_interval_s": 3600, "retry_budget_ratio": 0.2}),
+        replicas=[ReplicaSpec(name=h, url=f"http://{h}:9100") for h in replicas.work],
+    )
+    upstream = httpx.AsyncClient(transport=httpx.MockTransport(replicas))
+    app = create_app(settings, client=upstream, clock=clock, env={}, rng=random.Random(3))
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://router") as c,
+    ):
+        statuses = Counter([(await generate(c)).status_code for _ in range(100)])
+        metrics = (await c.get("/metrics")).text
+    await upstream.aclose()
+    # Every 200 came from b; every attempt at a was either retried on b or ended in a 503.
+    assert replicas.calls["b"] == statuses[200] and statuses[200] + statuses[503] == 100
+    retried = replicas.calls["a"] - statuses[503]
+    assert 10 + 20 - 1 <= retried <= 10 + 20  # the reserve, then 0.2 per request
+    assert statuses[503] > 0
+    assert 'gpupool_router_rejections_total{reason="retry_budget"} ' in metrics
