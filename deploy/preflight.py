@@ -81,13 +81,13 @@ def _message(proc: subprocess.CompletedProcess[str]) -> str:
 def prepare_model(
     cfg: DeploymentConfig, python: str, run: Runner = run_tool, prepare_timeout_s: float = 1800
 ) -> None:
-    """Check the model source exists, then convert/cache it once (not for simulated sources)."""
+    """Check the model source (simulated options too), then convert/cache it once."""
     source = cfg.model.source
-    if is_simulated(source):
-        return
     checked = run(_models(python, "check", source), 120)
     if checked.returncode != 0:
         raise PreflightError(f"model.source {source!r}: {_message(checked)}")
+    if is_simulated(source):
+        return
     prepared = run(_models(python, "prepare", source), prepare_timeout_s)
     if prepared.returncode != 0:
         raise PreflightError(f"model.source {source!r}: preparing failed: {_message(prepared)}")

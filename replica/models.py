@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from replica.errors import ModelLoadError
+from replica.simulated import is_simulated, parse_simulated
 
 if TYPE_CHECKING:
     import torch
@@ -410,6 +411,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             elapsed = time.monotonic() - started
             print(prepared.path if prepared.path is not None else prepared.text)
             print(f"ready in {elapsed:.1f} s", file=sys.stderr)
+        elif args.command == "check" and is_simulated(args.source):
+            parse_simulated(args.source)  # a typo in an option is caught before anything starts
+            print(f"ok: {args.source} (simulated engine, no weights)")
         elif args.command == "check":
             parsed = parse_source(args.source)
             where = f" at {parsed.path}" if parsed.path else ""

@@ -57,17 +57,18 @@ def test_bad_yaml_exits_2_naming_the_field_path_without_a_traceback(tmp_path: Pa
     assert "Traceback" not in text
 
 
-def test_a_missing_model_source_is_refused_before_anything_starts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bad", ["missing-model.gguf", "simulated:bogus=1"])
+def test_a_bad_model_source_is_refused_before_anything_starts(tmp_path: Path, bad: str) -> None:
     config = tmp_path / "up.yaml"
-    missing = tmp_path / "missing-model.gguf"
+    source = str(tmp_path / bad) if bad.endswith(".gguf") else bad
     config.write_text(
-        f"model: {{source: {missing}}}\n"
+        f"model: {{source: '{source}'}}\n"
         f"replicas: {{devices: [cpu], port_base: {free_port()}}}\n"
         f"router: {{port: {free_port()}}}\n"
     )
     out = gpupool("up", str(config), state_dir=tmp_path)
     assert out.returncode == 2
-    assert "model.source" in out.stdout and str(missing) in out.stdout
+    assert "model.source" in out.stdout and source in out.stdout
     assert not list(tmp_path.glob("logs-*"))  # no child was ever spawned
 
 

@@ -102,6 +102,8 @@ def test_cli_bad_source_is_one_line_and_exit_2(
 
 def test_cli_check_and_estimate_the_bundled_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert models.main(["check", models.SMOLLM2], env={}) == 0
+    assert models.main(["check", "simulated:decode_ms=5"], env={}) == 0
+    assert models.main(["check", "simulated:bogus=1"], env={}) == 2
     assert "ok: builtin:smollm2-135m" in capsys.readouterr().out
     assert models.main(["estimate", models.SMOLLM2, "--dtype", "bfloat16"], env={}) == 0
     bf16 = int(capsys.readouterr().out)
