@@ -259,8 +259,10 @@ class Proxy:
                 sse = response.headers.get("content-type", "").startswith("text/event-stream")
                 if sse and response.status_code < 400:
                     return response, replica, None
-                content = await response.aread()
-                await response.aclose()
+                try:
+                    content = await response.aread()
+                finally:  # also on a timeout or a cancel part-way: close, so the replica stops
+                    await response.aclose()
             except _TRANSPORT_ERRORS as exc:
                 self.outcomes.release(replica)
                 failure = f"replica {replica.name} failed: {wire.describe(exc)}"

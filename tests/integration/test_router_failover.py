@@ -183,3 +183,16 @@ def test_replica_429_is_retried_elsewhere_and_passed_through_when_alone() -> Non
         wait_for(lambda: replicas(router.url)["busy"]["load"] == 0)  # a poll undid the last 429
         alone = client.post(router.url + "/generate", json={"text": "hi", "max_tokens": 1})
         assert alone.status_code == 429 and alone.headers["retry-after"] == "7"
+
+
+def test_a_body_that_stalls_is_504_and_the_replica_sees_the_router_leave() -> None:
+    port = free_port()
+    with (
+        python_module(FAKES, ["--port", str(port), "--mode", "stall"], port=port) as stall,
+        router_process(f"--replica=s={stall.url}", "--request-timeout-s", "1") as router,
+        httpx.Client(timeout=30) as client,
+    ):
+        r = client.post(router.url + "/generate", json={"text": "hi"})
+        assert r.status_code == 504 and "did not answer" in r.json()["error"]["message"]
+        # The connection to the replica is closed (a cancel there), not left open for ever.
+        wait_for(lambda: httpx.get(stall.url + "/count").json()["gone"] == 1, 10)
