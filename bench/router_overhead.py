@@ -1,9 +1,12 @@
 """Router overhead: added latency through the router vs direct, and proxied requests/s.
 
-``python -m bench.router_overhead [--clients 32] [--requests 3000] [--json PATH]``
+``python -m bench.router_overhead [--clients 32] [--requests 6400] [--json PATH]
+[--router NAME=MODULE [ARG...]]...``
 
 Starts simulated replicas and one router as processes (nothing of router/replica is imported),
-then:
+or several routers side by side on the same replicas (``--router``, repeatable: e.g.
+``--router 'lean=router' --router 'httpx=router --http-client=httpx'``; each is started as
+``python -m MODULE ARG... --replica ...``, and measured in turn, round after round), then:
 
 1. latency: ``--clients`` keep-alive clients send ``POST /generate`` to replicas that take a fixed
    ``--fixed-ms`` (50) per request, first straight to the replicas (client i -> replica i mod n),
@@ -24,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -102,11 +106,29 @@ def start(module: str, args: Sequence[str], port: int) -> Iterator[subprocess.Po
                 proc.wait(5)
 
 
+@dataclass
+class Router:
+    name: str
+    module: str
+    args: list[str]
+    port: int = 0
+    pid: int = 0
+
+
+def parse_router(spec: str) -> Router:
+    """``NAME=MODULE [ARG...]``; a bare ``MODULE [ARG...]`` is named after the module."""
+    words = shlex.split(spec)
+    if not words:
+        raise argparse.ArgumentTypeError("--router needs NAME=MODULE")
+    name, _, module = words[0].rpartition("=")
+    return Router(name or module, module, words[1:])
+
+
 @contextlib.contextmanager
 def fleet(
-    replicas: int, fixed_ms: float, router_args: Sequence[str]
-) -> Iterator[tuple[list[int], int, int]]:
-    """(replica ports, router port, router pid)."""
+    replicas: int, fixed_ms: float, routers: Sequence[Router], router_args: Sequence[str]
+) -> Iterator[list[int]]:
+    """Replica ports; each router started, its ``port`` and ``pid`` set."""
     model = f"simulated:fixed_ms={fixed_ms:g},decode_ms=0,prefill_ms=0"
     ports = [free_port() for _ in range(replicas)]
     with contextlib.ExitStack() as stack:
@@ -118,10 +140,12 @@ def fleet(
                     port,
                 )
             )
-        router_port = free_port()
         replica_flags = [f"--replica=r{i}=http://127.0.0.1:{p}" for i, p in enumerate(ports)]
-        router = stack.enter_context(start("router", [*replica_flags, *router_args], router_port))
-        yield ports, router_port, router.pid
+        for router in routers:
+            router.port = free_port()
+            flags = [*router.args, *replica_flags, *router_args]
+            router.pid = stack.enter_context(start(router.module, flags, router.port)).pid
+        yield ports
 
 
 def cpu_seconds(pid: int) -> float:
@@ -242,7 +266,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--fixed-ms", type=float, default=50.0)
     p.add_argument("--throughput-clients", type=int, default=64)
     p.add_argument("--duration-s", type=float, default=10.0, help="throughput phase length")
-    p.add_argument("--router-arg", action="append", default=[], help="extra router flag")
+    p.add_argument(
+        "--router",
+        action="append",
+        type=parse_router,
+        default=[],
+        metavar="NAME=MODULE [ARG...]",
+        help="a router to measure (repeatable, side by side); default: router=router",
+    )
+    p.add_argument("--router-arg", action="append", default=[], help="extra flag for every router")
     p.add_argument("--json", default="results/router_overhead.json")
     p.add_argument("--skip-throughput", action="store_true")
     return p.parse_args(argv)
@@ -254,49 +286,71 @@ def main(argv: Sequence[str] | None = None) -> int:
         import uvloop
 
         uvloop.install()
+    routers: list[Router] = args.router or [Router("router", "router", [])]
+    names = [r.name for r in routers]
+    if len(set(names)) != len(names) or "direct" in names:
+        print(f"router names must differ from each other and from 'direct': {names}")
+        return 2
     phases: list[Phase] = []
-    with fleet(args.replicas, args.fixed_ms, args.router_arg) as (ports, router_port, pid):
+    with fleet(args.replicas, args.fixed_ms, routers, args.router_arg) as ports:
         # Direct and routed runs alternate, so a neighbour's burst on this shared machine does
         # not land on one side only.
-        direct, routed = Samples([]), Samples([])
+        direct = Samples([])
+        routed = {r.name: Samples([]) for r in routers}
         share = max(args.requests // args.rounds, args.clients)
         for _ in range(args.rounds):
             collect(ports, args.clients, count=share, into=direct)
-            collect([router_port], args.clients, count=share, router_pid=pid, into=routed)
-        phases += [summarise("direct", direct), summarise("router", routed)]
+            for r in routers:
+                collect([r.port], args.clients, count=share, router_pid=r.pid, into=routed[r.name])
+        phases.append(summarise("direct", direct))
+        phases += [summarise(name, samples) for name, samples in routed.items()]
     if not args.skip_throughput:
-        with fleet(args.replicas, 0, args.router_arg) as (ports, router_port, pid):
-            clients, seconds = args.throughput_clients, args.duration_s
-            phases.append(summarise("direct-max", collect(ports, clients, duration_s=seconds)))
+        with fleet(args.replicas, 0, routers, args.router_arg) as ports:
+            clients = args.throughput_clients
             phases.append(
-                summarise(
-                    "router-max",
-                    collect([router_port], clients, duration_s=seconds, router_pid=pid),
-                )
+                summarise("direct-max", collect(ports, clients, duration_s=args.duration_s))
             )
+            # Several routers: two alternating halves each, for the same reason as above.
+            halves = 2 if len(routers) > 1 else 1
+            maxed = {r.name: Samples([]) for r in routers}
+            for _ in range(halves):
+                for r in routers:
+                    collect(
+                        [r.port],
+                        clients,
+                        duration_s=args.duration_s / halves,
+                        router_pid=r.pid,
+                        into=maxed[r.name],
+                    )
+            phases += [summarise(f"{name}-max", samples) for name, samples in maxed.items()]
     by = {p.name: p for p in phases}
     added = {
-        "p50_ms": round(by["router"].p50_ms - by["direct"].p50_ms, 3),
-        "p99_ms": round(by["router"].p99_ms - by["direct"].p99_ms, 3),
+        name: {
+            "p50_ms": round(by[name].p50_ms - by["direct"].p50_ms, 3),
+            "p99_ms": round(by[name].p99_ms - by["direct"].p99_ms, 3),
+        }
+        for name in names
     }
+    width = max(11, *(len(n) + 4 for n in names))
     print(
-        f"{'phase':<11} {'reqs':>6} {'err':>4} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
+        f"{'phase':<{width}} {'reqs':>6} {'err':>4} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
         f"{'req/s':>8} {'router cpu s':>12} {'req/cpu-s':>9}"
     )
     for p in phases:
         per_cpu = p.per_router_cpu_s
         print(
-            f"{p.name:<11} {p.requests:>6} {p.errors:>4} {p.p50_ms:>8.2f} {p.p90_ms:>8.2f} "
+            f"{p.name:<{width}} {p.requests:>6} {p.errors:>4} {p.p50_ms:>8.2f} {p.p90_ms:>8.2f} "
             f"{p.p99_ms:>8.2f} {p.rps:>8.0f} "
             f"{p.router_cpu_s if p.router_cpu_s is not None else '-':>12} "
             f"{f'{per_cpu:.0f}' if per_cpu else '-':>9}"
         )
-    print(f"added by the router: p50 {added['p50_ms']:+.2f} ms, p99 {added['p99_ms']:+.2f} ms")
+    for name, add in added.items():
+        print(f"added by {name}: p50 {add['p50_ms']:+.2f} ms, p99 {add['p99_ms']:+.2f} ms")
     result = {
-        "command": "python -m bench.router_overhead " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m bench.router_overhead " + shlex.join(argv or sys.argv[1:]),
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
-        "config": vars(args),
+        "config": {**vars(args), "router": [asdict(r) for r in routers]},
         "phases": [{**asdict(p), "per_router_cpu_s": p.per_router_cpu_s} for p in phases],
         "added": added,
     }
