@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
+from tests.integration.router_helpers import replicas, wait_for
 from tests.support import (
     Proc,
     free_port,
@@ -22,20 +21,6 @@ from tests.support import (
 )
 
 FAKES = "tests.integration.router_fakes"
-
-
-def replicas(router_url: str, **headers: str) -> dict[str, dict[str, Any]]:
-    body = httpx.get(router_url + "/replicas", headers=headers, timeout=5).json()
-    return {r["name"]: r for r in body["replicas"]}
-
-
-def wait_for(predicate: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout_s}s")
 
 
 @pytest.fixture(scope="module")

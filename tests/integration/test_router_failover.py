@@ -8,28 +8,14 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import httpx
 
+from tests.integration.router_helpers import replicas, wait_for
 from tests.support import free_port, python_module, replica_process, router_process
 
 SIM = "simulated:fixed_ms=0,prefill_ms=0,decode_ms=10"
 FAKES = "tests.integration.router_fakes"
-
-
-def replicas(router_url: str) -> dict[str, dict[str, Any]]:
-    body = httpx.get(router_url + "/replicas", timeout=5).json()
-    return {r["name"]: r for r in body["replicas"]}
-
-
-def wait_for(predicate: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout_s}s")
 
 
 def generate(client: httpx.Client, url: str, max_tokens: int = 1) -> int:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.integration.router_helpers import replicas, wait_for
 from tests.support import Proc, replica_process, router_process
 
 SIM = "simulated:fixed_ms=0,prefill_ms=0,decode_ms=20"
@@ -28,20 +28,6 @@ def fleet() -> Iterator[tuple[Proc, Proc, Proc]]:
         yield a, b, router
 
 
-def replicas(router: Proc) -> dict[str, dict[str, Any]]:
-    body = httpx.get(router.url + "/replicas", timeout=5).json()
-    return {r["name"]: r for r in body["replicas"]}
-
-
-def wait_for(predicate: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout_s}s")
-
-
 def completion(url: str, max_tokens: int = 1, **extra: Any) -> httpx.Response:
     body = {"model": "simulated", "prompt": "hello", "max_tokens": max_tokens, **extra}
     return httpx.post(url + "/v1/completions", json=body, timeout=30)
@@ -49,7 +35,7 @@ def completion(url: str, max_tokens: int = 1, **extra: Any) -> httpx.Response:
 
 def test_uneven_load_goes_to_the_least_loaded_replica(fleet: tuple[Proc, Proc, Proc]) -> None:
     a, _, router = fleet
-    before = replicas(router)
+    before = replicas(router.url)
     held = []  # keep the line iterators alive: dropping one closes its stream
     with httpx.Client(timeout=30) as client, contextlib.ExitStack() as stack:
         # Three long generations sent straight to replica a (not through the router).
@@ -63,10 +49,10 @@ def test_uneven_load_goes_to_the_least_loaded_replica(fleet: tuple[Proc, Proc, P
             )
             held.append(r.iter_lines())
             next(held[-1])
-        wait_for(lambda: replicas(router)["a"]["reported_in_flight"] == 3)
+        wait_for(lambda: replicas(router.url)["a"]["reported_in_flight"] == 3)
         for _ in range(6):
             assert completion(router.url).status_code == 200
-    after = replicas(router)
+    after = replicas(router.url)
     assert after["b"]["picks"] - before["b"]["picks"] == 6
     assert after["a"]["picks"] == before["a"]["picks"]
 
@@ -150,10 +136,10 @@ def test_drained_replica_gets_no_work_and_comes_back(fleet: tuple[Proc, Proc, Pr
     _, _, router = fleet
     assert httpx.post(router.url + "/replicas/a/drain").json()["state"] == "drained"
     try:
-        before = replicas(router)
+        before = replicas(router.url)
         for _ in range(5):
             assert completion(router.url).status_code == 200
-        after = replicas(router)
+        after = replicas(router.url)
         assert after["a"]["picks"] == before["a"]["picks"]
         assert after["b"]["picks"] - before["b"]["picks"] == 5
     finally:
@@ -165,12 +151,12 @@ def test_membership_changes_at_run_time(fleet: tuple[Proc, Proc, Proc]) -> None:
     removed = httpx.delete(router.url + "/replicas/b")
     assert removed.status_code == 200
     try:
-        assert set(replicas(router)) == {"a"}
+        assert set(replicas(router.url)) == {"a"}
         assert completion(router.url).status_code == 200
     finally:
         added = httpx.post(router.url + "/replicas", json={"url": b.url, "name": "b"})
     assert added.status_code == 201 and added.json()["state"] == "ready"
-    assert set(replicas(router)) == {"a", "b"}
+    assert set(replicas(router.url)) == {"a", "b"}
     again = httpx.post(router.url + "/replicas", json={"url": b.url, "name": "b2"})
     assert again.status_code == 409
 
@@ -230,7 +216,7 @@ def test_real_torch_replicas_behind_the_router() -> None:
             client.completions.create(model="tiny-random", prompt="hi", max_tokens=3, stream=True)
         )
         assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 1
-        state = replicas(router)
+        state = replicas(router.url)
         assert state["a"]["picks"] + state["b"]["picks"] == 5
         assert state["a"]["model"] == state["b"]["model"] == "tiny-random"
 
@@ -241,12 +227,12 @@ def test_a_replica_that_reports_draining_takes_no_new_work(
     a, _, router = fleet
     assert httpx.post(a.url + "/admin/drain").status_code == 200
     try:
-        wait_for(lambda: replicas(router)["a"]["state"] == "draining")
-        before = replicas(router)
+        wait_for(lambda: replicas(router.url)["a"]["state"] == "draining")
+        before = replicas(router.url)
         for _ in range(5):
             assert completion(router.url).status_code == 200
-        after = replicas(router)
+        after = replicas(router.url)
         assert after["a"]["picks"] == before["a"]["picks"]
     finally:
         httpx.post(a.url + "/admin/undrain")
-    wait_for(lambda: replicas(router)["a"]["state"] == "ready")
+    wait_for(lambda: replicas(router.url)["a"]["state"] == "ready")
