@@ -13,8 +13,15 @@ import sys
 from collections.abc import Sequence
 
 import uvicorn
+from pydantic import ValidationError
 
-from common.config import ConfigError, DnsDiscovery, RouterConfig, load_config
+from common.config import (
+    ConfigError,
+    DnsDiscovery,
+    RouterConfig,
+    format_validation_error,
+    load_config,
+)
 from common.gpu import list_gpus
 from router.app import create_app
 from router.settings import ReplicaSpec, RouterSettings, check_url, from_deployment
@@ -92,15 +99,26 @@ def build_settings(args: argparse.Namespace) -> RouterSettings:
             discovery["port"] = port
         if args.discover_interval_s is not None:
             discovery["interval_s"] = args.discover_interval_s
-        updates["discovery"] = DnsDiscovery.model_validate(discovery)
+        try:
+            updates["discovery"] = DnsDiscovery.model_validate(discovery)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, prefix="--discover: ")) from None
+    overrides: dict[str, object] = {
+        "foreign_max_concurrency": args.foreign_max_concurrency,
+        "foreign_max_queue": args.foreign_max_queue,
+        "http_client": args.http_client,
+    }
+    if args.max_concurrency is not None:
+        overrides["default_max_concurrency"] = args.max_concurrency
+    if args.max_queue is not None:
+        overrides["default_max_queue"] = args.max_queue
     try:
         router = RouterConfig.model_validate({**router.model_dump(), **updates})
-    except ValueError as exc:
-        raise ConfigError(f"invalid router flags: {exc}") from exc
-    if args.max_concurrency is not None:
-        settings.default_max_concurrency = args.max_concurrency
-    if args.max_queue is not None:
-        settings.default_max_queue = args.max_queue
+        settings = RouterSettings.model_validate(
+            {**settings.model_dump(), **overrides, "router": router.model_dump()}
+        )
+    except ValidationError as exc:
+        raise ConfigError(_flag_errors(exc)) from None
     specs = list(settings.replicas)
     for entry in args.replica:
         name, sep, url = entry.partition("=")
@@ -122,17 +140,29 @@ def build_settings(args: argparse.Namespace) -> RouterSettings:
     names = [s.name for s in specs]
     if len(names) != len(set(names)):
         raise ConfigError(f"replica names repeat: {names}")
-    if not specs and router.discovery is None:
+    urls = [s.url for s in specs]
+    if len(urls) != len(set(urls)):
+        # Two names for one replica would split its load in two and overfill it.
+        raise ConfigError(f"replica URLs repeat: {urls}")
+    if not specs and settings.router.discovery is None:
         raise ConfigError("no replicas: give --config FILE, --replica URL or --discover NAME")
-    return settings.model_copy(
-        update={
-            "router": router,
-            "replicas": specs,
-            "foreign_max_concurrency": args.foreign_max_concurrency,
-            "foreign_max_queue": args.foreign_max_queue,
-            "http_client": args.http_client,
-        }
-    )
+    return settings.model_copy(update={"replicas": specs})
+
+
+# RouterSettings fields whose flag is not simply --field-name.
+_FLAGS = {"default_max_concurrency": "--max-concurrency", "default_max_queue": "--max-queue"}
+
+
+def _flag_errors(exc: ValidationError) -> str:
+    """``--flag: problem`` per line (flags override validated YAML, so a flag is to blame)."""
+    lines = []
+    for line in format_validation_error(exc).splitlines():
+        path, sep, problem = line.partition(": ")
+        field = path.removeprefix("router.")
+        if sep and "." not in field:
+            line = f"{_FLAGS.get(field, '--' + field.replace('_', '-'))}: {problem}"
+        lines.append(line)
+    return "invalid flags: " + "; ".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -61,8 +61,19 @@ def test_flags_override_the_yaml(tmp_path: Path) -> None:
 
 
 def test_bad_flag_values_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match="fail_threshold"):
+    with pytest.raises(ConfigError, match="--fail-threshold: must be >= 1"):
         build_settings(parse_args(["--replica", "http://a:1", "--fail-threshold", "0"]))
+    # Each of these was a traceback, or accepted (a foreign replica of capacity 0 then failed
+    # every request with a ZeroDivisionError).
+    bad = {
+        "--foreign-max-concurrency: must be >= 1": ["--foreign-max-concurrency", "0"],
+        "--max-queue: must be >= 0": ["--max-queue", "-1"],
+        "--discover: port: must be an integer": ["--discover", "svc:abc"],
+        "URLs repeat": ["--replica", "b=http://a:1/"],
+    }
+    for problem, flags in bad.items():
+        with pytest.raises(ConfigError, match=problem):
+            build_settings(parse_args(["--replica", "a=http://a:1", *flags]))
     with pytest.raises(ConfigError, match="repeat"):
         build_settings(parse_args(["--replica", "a=http://a:1", "--replica", "a=http://b:1"]))
     with pytest.raises(ConfigError, match="http:// or https://"):
