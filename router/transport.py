@@ -155,6 +155,10 @@ class _Connection(asyncio.Protocol):
         self.status, self.headers, self.chunks = 0, [], collections.deque()
         self.complete = self.head_done = self.keep_alive = self.until_close = False
         self.buffered = 0
+        if self.paused and self.transport is not None:
+            # The last answer was left unread past the high-water mark: read again.
+            self.paused = False
+            self.transport.resume_reading()
         assert self.transport is not None
         self.transport.write(payload)
 

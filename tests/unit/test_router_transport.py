@@ -10,6 +10,7 @@ import h11
 import httpx
 import pytest
 
+from router import transport as transport_module
 from router.transport import KeepAliveTransport, _Body
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -368,3 +369,34 @@ async def test_idle_connections_expire() -> None:
         for _ in range(3):
             assert (await c.get(url + "/")).text == "x"
     assert server.connections == 3
+
+
+async def test_a_connection_kept_while_reading_was_paused_reads_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A whole answer arrived past the high-water mark and the client left without reading it
+    # (a finished stream, a slow client that disconnects): the connection is kept, and must
+    # not stay paused, or the next request on it waits for ever.
+    monkeypatch.setattr(transport_module, "_HIGH_WATER", 10)
+    monkeypatch.setattr(transport_module, "_LOW_WATER", 5)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(ok(b"x" * 100))
+
+    server = Server(handler)
+    transport = KeepAliveTransport()
+    async with server as url:
+        response = await transport.handle_async_request(httpx.Request("GET", url + "/"))
+        body = response.stream
+        assert isinstance(body, _Body)
+        for _ in range(500):
+            if body._conn.complete:
+                break
+            await asyncio.sleep(0.01)
+        assert body._conn.complete and body._conn.paused
+        await body.aclose()
+        async with httpx.AsyncClient(transport=transport, timeout=3) as c:
+            assert (await c.get(url + "/")).text == "x" * 100
+    assert server.connections == 1
