@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -113,14 +114,31 @@ class ReplicasConfig(_Strict):
     max_restarts: int = Field(5, ge=0)
 
 
+def check_url(url: str) -> str:
+    """A replica's base URL without its trailing slash; ValueError saying what is wrong."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{url!r} is not a valid URL ({exc})") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{url!r}: the URL must start with http:// or https://")
+    if not parts.hostname or any(c.isspace() for c in url):
+        raise ValueError(f"{url!r}: no valid host in the URL")
+    if port == 0:
+        raise ValueError(f"{url!r}: port 0 is not a port to connect to")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{url!r}: a replica's base URL has no query or fragment")
+    return url.rstrip("/")
+
+
 class RemoteReplica(_Strict):
     url: str
     name: str | None = None
 
     @model_validator(mode="after")
-    def _url_has_scheme(self) -> RemoteReplica:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+    def _url_is_a_base_url(self) -> RemoteReplica:
+        self.url = check_url(self.url)
         return self
 
 

@@ -19,12 +19,13 @@ from common.config import (
     ConfigError,
     DnsDiscovery,
     RouterConfig,
+    check_url,
     format_validation_error,
     load_config,
 )
 from common.gpu import list_gpus
 from router.app import create_app
-from router.settings import ReplicaSpec, RouterSettings, check_url, from_deployment
+from router.settings import ReplicaSpec, RouterSettings, from_deployment
 
 # RouterConfig fields that may be set on the command line: (type, help).
 _KNOBS: dict[str, tuple[type, str]] = {

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from common.config import check_url
 from router.auth import Keys
 from router.discovery import DnsDiscoverer, Resolver, system_resolver
 from router.errors import BadRequest, Conflict, UnknownReplica, install_handlers
@@ -31,7 +32,7 @@ from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.pool import Pool, ReplicaState
 from router.proxy import Proxy
 from router.requestlog import RequestLog
-from router.settings import RouterSettings, check_url
+from router.settings import RouterSettings
 from router.transport import KeepAliveTransport
 
 log = logging.getLogger("gpupool.router")

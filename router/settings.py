@@ -3,29 +3,10 @@
 from __future__ import annotations
 
 from typing import Literal
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.config import ConfigError, DeploymentConfig, RouterConfig
-
-
-def check_url(url: str) -> str:
-    """A replica's base URL without its trailing slash; ValueError saying what is wrong."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise ValueError(f"{url!r} is not a valid URL ({exc})") from None
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"{url!r}: the URL must start with http:// or https://")
-    if not parts.hostname or any(c.isspace() for c in url):
-        raise ValueError(f"{url!r}: no valid host in the URL")
-    if port == 0:
-        raise ValueError(f"{url!r}: port 0 is not a port to connect to")
-    if parts.query or parts.fragment:
-        raise ValueError(f"{url!r}: a replica's base URL has no query or fragment")
-    return url.rstrip("/")
+from common.config import ConfigError, DeploymentConfig, RouterConfig, check_url
 
 
 class ReplicaSpec(BaseModel):

@@ -74,10 +74,14 @@ def test_remote_replica_names_must_not_repeat() -> None:
     assert "names repeat" in message
 
 
-def test_remote_replica_url_needs_a_scheme() -> None:
-    assert "remote_replicas.0: url must start with http://" in error_of(
+def test_remote_replica_url_is_checked_before_anything_starts() -> None:
+    assert "remote_replicas.0: 'gpu-b:9100': the URL must start with http://" in error_of(
         {"remote_replicas": [{"url": "gpu-b:9100"}]}
     )
+    assert "is not a valid URL" in error_of({"remote_replicas": [{"url": "http://[::1"}]})
+    assert "no valid host" in error_of({"remote_replicas": [{"url": "http://"}]})
+    config = parse_config({"remote_replicas": [{"url": "http://gpu-b:9100/"}]})
+    assert config.remote_endpoints() == [("remote0", "http://gpu-b:9100")]
 
 
 @pytest.mark.parametrize(
