@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.config import ConfigError, DeploymentConfig, RouterConfig, check_url
+from common.config import DeploymentConfig, RouterConfig
 
 
 class ReplicaSpec(BaseModel):
@@ -53,11 +53,7 @@ def from_deployment(
         )
         for s in local
     ]
-    for name, url in config.remote_endpoints():
-        try:
-            url = check_url(url)
-        except ValueError as exc:
-            raise ConfigError(f"remote_replicas: {name}: {exc}") from None
+    for name, url in config.remote_endpoints():  # URLs checked when the config was loaded
         specs.append(
             ReplicaSpec(
                 name=name,
