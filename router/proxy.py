@@ -18,13 +18,14 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from common.config import RouterConfig
 from router import wire
@@ -132,21 +133,47 @@ class Proxy:
             return
         self.in_flight += 1
         me = asyncio.current_task()
-        state = {"gone": False, "done": False}
+        state = {"gone": False, "done": False, "started": False, "streaming": False}
+
+        async def send_tracked(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            await send(message)
+
         watcher = asyncio.ensure_future(self._watch_disconnect(receive, me, state))
         try:
-            await self._serve(scope, send, body, request_id, info, state)
+            await self._serve(scope, send_tracked, body, request_id, info, state)
         except asyncio.CancelledError:
-            if not state["gone"] or me is None:
+            if me is None:
                 raise
             me.uncancel()
-            info["status_note"] = "client disconnected"
+            if state["gone"]:
+                info["status_note"] = "client disconnected"
+            else:  # the server cancelled us: shutdown outlived the drain timeout
+                info["status_note"] = "cut by shutdown"
+                await self._answer_shutdown(scope, send, state)
         except _ClientGone:
             info["status_note"] = "client disconnected"
         finally:
             state["done"] = True
             watcher.cancel()
             self.in_flight -= 1
+
+    async def _answer_shutdown(self, scope: Scope, send: Send, state: dict[str, bool]) -> None:
+        """The router is stopping and this request outlived the drain: say so, not a 500."""
+        message = "the router shut down before the replica's answer ended (drain timeout)"
+        with contextlib.suppress(Exception):  # the connection may be closing already
+            if not state["started"]:
+                self.metrics.rejections.labels("shutdown").inc()
+                await error_response(RouterDraining(message))(scope, wire.no_receive, send)
+            else:
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": wire.sse_error(message),
+                        "more_body": False,
+                    }
+                )
 
     async def _watch_disconnect(
         self, receive: Receive, me: asyncio.Task[Any] | None, state: dict[str, bool]
@@ -334,6 +361,7 @@ class Proxy:
         state: dict[str, bool],
     ) -> None:
         finished = False
+        state["streaming"] = True
         try:
             await send(
                 {
