@@ -2,7 +2,8 @@
 
 The line: request id, method, path, status, the replica that served it, attempts, duration. A
 given id is kept when it is 1-128 characters of ``[A-Za-z0-9._:-]`` (else a new one is made, so
-nothing odd reaches the logs). ``GET /health`` answered 200 is not logged (probes every second).
+nothing odd reaches the logs). ``GET /health`` and ``GET /metrics`` are logged at DEBUG only:
+probes ask every second, and while the router drains its 503s would flood the log.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("gpupool.router")
 
+_PROBES = ("/health", "/metrics")
 _ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -52,8 +54,10 @@ class RequestLog:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            if scope["path"] != "/health" or status[0] != 200:
-                log.info(
+            level = logging.DEBUG if scope["path"] in _PROBES else logging.INFO
+            if log.isEnabledFor(level):
+                log.log(
+                    level,
                     "%s %s %s %d replica=%s attempts=%s %.1fms%s",
                     request_id,
                     scope["method"],
