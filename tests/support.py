@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,16 +18,44 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
+# Listening ports for tests come from below Linux's ephemeral range (32768-60999), where the
+# kernel never picks source ports for outgoing connections: a port found free here stays free
+# until the test's server binds it, even while other tests open thousands of connections.
+_PORT_RANGE = (20000, 32000)
+_handed_out: set[int] = set()
+_rng = random.Random()
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free ports, none handed out before in this process."""
+    for _ in range(500):
+        base = _rng.randrange(_PORT_RANGE[0], _PORT_RANGE[1] - count)
+        ports = range(base, base + count)
+        if any(p in _handed_out for p in ports) or not all(_bindable(p) for p in ports):
+            continue
+        _handed_out.update(ports)
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports in {_PORT_RANGE}")
+
+
+def free_port() -> int:
+    return free_ports(1)
 
 
 @dataclass
@@ -50,7 +79,13 @@ class Proc:
             return ""
 
 
-def wait_http(url: str, timeout_s: float, proc: Proc | None = None, want: int = 200) -> None:
+class Watched(Protocol):
+    popen: subprocess.Popen[bytes]
+
+    def log(self) -> str: ...
+
+
+def wait_http(url: str, timeout_s: float, proc: Watched | None = None, want: int = 200) -> None:
     """Poll ``url`` until it answers ``want``; fail with the process log on timeout or exit."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tests.integration.up_harness import alive, gpupool_up, processes_mentioning, wait_until
-from tests.support import REPO, free_port
+from tests.support import REPO, free_port, free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ def test_default_config_serves_smollm2_through_the_router_to_the_openai_sdk(
     openai = pytest.importorskip("openai")
     # configs/local.yaml exactly, but on free ports so it cannot clash with anything running.
     data = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
-    data["replicas"]["port_base"] = free_port()
+    data["replicas"]["port_base"] = free_ports(len(data["replicas"]["devices"]))
     data["router"]["port"] = free_port()
     config = tmp_path / "local.yaml"
     config.write_text(yaml.safe_dump(data))

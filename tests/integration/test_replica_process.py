@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from common.gpu import list_gpus
-from tests.support import REPO, Proc, free_port, replica_process
+from tests.support import REPO, Proc, free_port, free_ports, replica_process
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def test_missing_model_source_fails_at_start_and_exits_non_zero(tmp_path: Path) 
 
 
 def test_config_and_replica_name_with_flag_override(tmp_path: Path) -> None:
-    base = free_port()
+    base = free_ports(2)
     config = tmp_path / "deploy.yaml"
     config.write_text(
         "model:\n  source: simulated:decode_ms=0\n  max_new_tokens: 7\n"

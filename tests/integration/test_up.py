@@ -10,13 +10,14 @@ import threading
 from pathlib import Path
 
 import httpx
+import yaml
 
 from tests.integration.up_harness import alive, gpupool_up, processes_mentioning, wait_until
-from tests.support import REPO, free_port
+from tests.support import REPO, free_port, free_ports
 
 
 def write_config(tmp_path: Path, source: str, devices: str, **replicas: object) -> Path:
-    base = free_port()
+    base = free_ports(len(yaml.safe_load(devices)))
     extra = "".join(f"  {k}: {v}\n" for k, v in replicas.items())
     path = tmp_path / "up.yaml"
     path.write_text(

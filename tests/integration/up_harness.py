@@ -97,7 +97,7 @@ def gpupool_up(tmp_path: Path, config: Path, ready_timeout_s: float = 120) -> It
     pids: list[int] = []
     try:
         try:
-            wait_http(up.url + "/health", ready_timeout_s)
+            wait_http(up.url + "/health", ready_timeout_s, up)
         except TimeoutError as exc:
             raise AssertionError(up.log()[-4000:]) from exc
         wait_until(lambda: "gpupool is up" in up.log(), 30, "the summary")
