@@ -121,8 +121,8 @@ def _params(
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     return GenerationParams(
         max_tokens=wanted,
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
+        temperature=temperature,
+        top_p=top_p,
         seed=seed,
         stop=tuple(s for s in stops if s),
     )

@@ -27,8 +27,9 @@ FinishReason = Literal["stop", "length"]
 @dataclass(frozen=True)
 class GenerationParams:
     max_tokens: int
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
+    # None: the model's own default (its generation_config, as transformers' generate() uses it).
+    temperature: float | None = None  # 0 means greedy
+    top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
 

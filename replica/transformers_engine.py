@@ -61,6 +61,7 @@ class TransformersEngine:
         self.model_id = models.model_id_for(source)
         self.eos_token_ids: frozenset[int] = frozenset()
         self.suppress_token_ids: tuple[int, ...] = ()
+        self.default_sampling: tuple[float, float] = (0.0, 1.0)  # (temperature, top_p)
         self._model: PreTrainedModel | None = None
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._tok_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
@@ -91,6 +92,7 @@ class TransformersEngine:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         gen = getattr(model, "generation_config", None)
         self.suppress_token_ids = tuple(getattr(gen, "suppress_tokens", None) or ())
+        self.default_sampling = _default_sampling(gen)
         self._forward_kwargs = _forward_kwargs(model)
         self._model, self._tokenizer = model, tokenizer
         warmup = GenerationParams(max_tokens=2, temperature=0.0)
@@ -208,7 +210,7 @@ class TransformersEngine:
         params: GenerationParams,
         cancel: threading.Event,
     ) -> Iterator[Event]:
-        sample = _sampler(params, self.device)
+        sample = _sampler(params, self.device, self.default_sampling)
         stops = StopMatcher(params.stop)
         text = _IncrementalText(self._decode)
         suppress = (
@@ -283,19 +285,33 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> froz
     return frozenset(ids)
 
 
-def _sampler(params: GenerationParams, device: str) -> Callable[[torch.Tensor], int]:
+def _default_sampling(gen: Any) -> tuple[float, float]:
+    """(temperature, top_p) for requests that set none: the model's generation_config, read as
+    transformers' generate() reads it (no do_sample: greedy, i.e. temperature 0)."""
+    if gen is None or not getattr(gen, "do_sample", False):
+        return 0.0, 1.0
+    return float(getattr(gen, "temperature", None) or 1.0), float(
+        getattr(gen, "top_p", None) or 1.0
+    )
+
+
+def _sampler(
+    params: GenerationParams, device: str, defaults: tuple[float, float] = (0.0, 1.0)
+) -> Callable[[torch.Tensor], int]:
     """Greedy when temperature == 0; else temperature + top-p with a seeded generator."""
-    if params.temperature <= 0:
+    temperature = defaults[0] if params.temperature is None else params.temperature
+    top_p = defaults[1] if params.top_p is None else params.top_p
+    if temperature <= 0:
         return lambda logits: int(torch.argmax(logits).item())
     gen = torch.Generator(device=device)
     gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
 
     def sample(logits: torch.Tensor) -> int:
-        probs = torch.softmax(logits / params.temperature, dim=-1)
-        if params.top_p < 1.0:
+        probs = torch.softmax(logits / temperature, dim=-1)
+        if top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-            drop = before >= params.top_p  # keep the smallest set reaching top_p...
+            drop = before >= top_p  # keep the smallest set reaching top_p...
             drop[0] = False  # ...and always the most likely token (top_p <= 0 means greedy)
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)

@@ -24,10 +24,11 @@ async def test_smollm2_answers_a_short_chat_in_english() -> None:
     await engine.load()
     try:
         assert engine.model_id == "smollm2-135m"
+        # A request that sets no sampling gets the model card's (what `gpupool up` users see).
+        assert engine.default_sampling == (0.2, 0.9)
         prompt = engine.render_chat([ChatMessage("user", "What is the capital of France?")])
         events = [
-            event
-            async for event in engine.stream(prompt, GenerationParams(max_tokens=24, temperature=0))
+            event async for event in engine.stream(prompt, GenerationParams(max_tokens=24, seed=0))
         ]
     finally:
         await engine.close()

@@ -14,7 +14,7 @@ import torch
 
 from replica.engine import ChatMessage, Delta, Done, Event, GenerationParams
 from replica.errors import EngineOutOfMemory, ModelLoadError, NotReady
-from replica.transformers_engine import TransformersEngine, _IncrementalText
+from replica.transformers_engine import TransformersEngine, _default_sampling, _IncrementalText
 
 PROMPT = "Hello! How are you today?"
 
@@ -60,6 +60,22 @@ async def test_same_seed_same_sample(engine: TransformersEngine) -> None:
     a, b, c = await sample(7), await sample(7), await sample(8)
     assert text_of(a) == text_of(b)
     assert text_of(a) != text_of(c)
+
+
+async def test_unset_sampling_follows_the_models_generation_config(
+    engine: TransformersEngine,
+) -> None:
+    # tiny-random's generation_config does not sample, so a request without temperature/top_p
+    # is greedy, as transformers' generate() would be.
+    assert engine.default_sampling == (0.0, 1.0)
+    greedy = text_of(await collect(engine, PROMPT, max_tokens=16, temperature=0.0))
+    assert text_of(await collect(engine, PROMPT, max_tokens=16)) == greedy
+    from transformers import GenerationConfig
+
+    sampling = GenerationConfig(do_sample=True, temperature=0.2, top_p=0.9)
+    assert _default_sampling(sampling) == (0.2, 0.9)
+    assert _default_sampling(GenerationConfig()) == (0.0, 1.0)
+    assert _default_sampling(None) == (0.0, 1.0)
 
 
 async def test_tiny_top_p_is_greedy(engine: TransformersEngine) -> None:
