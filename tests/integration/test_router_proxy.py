@@ -184,16 +184,31 @@ def test_router_drain_refuses_new_work_and_finishes_in_flight(
         finally:
             httpx.post(router.url + "/admin/undrain")
     assert rest[-1] == "data: [DONE]"
-    assert httpx.get(router.url + "/health").json()["in_flight"] == 0
+    # The router counts the stream done just after its last byte: wait for it, not a race.
+    wait_for(lambda: httpx.get(router.url + "/health").json()["in_flight"] == 0, 5)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """``GET /metrics`` as {sample line without its value: value}."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    return {name: float(value) for name, value in samples}
 
 
 def test_metrics_count_picks_and_requests(fleet: tuple[Proc, Proc, Proc]) -> None:
     _, _, router = fleet
+    before = scrape(router.url)
     assert completion(router.url).status_code == 200
-    text = httpx.get(router.url + "/metrics").text
-    assert 'gpupool_router_replica_picks_total{replica="a"}' in text
-    assert 'gpupool_router_requests_total{status="200"}' in text
-    assert "gpupool_router_upstream_latency_seconds_bucket" in text
+    after = scrape(router.url)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    picks = [f'gpupool_router_replica_picks_total{{replica="{n}"}}' for n in ("a", "b")]
+    assert sorted(grew(p) for p in picks) == [0.0, 1.0]
+    assert grew('gpupool_router_requests_total{status="200"}') == 1.0
+    latency = [f'gpupool_router_upstream_latency_seconds_count{{replica="{n}"}}' for n in "ab"]
+    assert sum(grew(c) for c in latency) == 1.0
 
 
 def test_real_torch_replicas_behind_the_router() -> None:
