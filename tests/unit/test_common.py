@@ -18,10 +18,21 @@ def test_cuda_visible_devices_maps_cuda0_to_the_nvml_index() -> None:
 
 
 def test_without_nvml_probes_read_none_and_list_nothing() -> None:
-    # This machine (and CI) has no NVIDIA driver: readings are None, never an exception.
+    assert NoGpuProbe().read() is None
+    if list_gpus():
+        pytest.skip("NVML sees a GPU here")
+    # No NVIDIA driver (CPU machines, CI): readings are None, never an exception.
     assert NvmlProbe({"CUDA_VISIBLE_DEVICES": "0"}).read() is None
     assert list_gpus() == []
-    assert NoGpuProbe().read() is None
+
+
+def test_with_a_gpu_the_probe_reads_its_memory() -> None:
+    gpus = list_gpus()
+    if not gpus:
+        pytest.skip("NVML sees no GPU here")
+    reading = NvmlProbe({"CUDA_VISIBLE_DEVICES": str(gpus[0].index)}).read()
+    assert reading is not None and reading.total_bytes == gpus[0].memory.total_bytes > 0
+    assert reading.used_bytes + reading.free_bytes <= reading.total_bytes
 
 
 def test_fake_probe_reports_free_memory_and_clamps() -> None:
