@@ -26,6 +26,8 @@ def test_drain_turns_the_replica_away_from_new_work_and_waits_for_running_reques
             if httpx.get(rep.url + "/health", timeout=5).json()["in_flight"] == 1:
                 break
             threading.Event().wait(0.05)
+        else:
+            raise AssertionError("the request never got inside the replica")
         drained = subprocess.run(
             [sys.executable, "-m", "deploy.drain", rep.url, "--timeout-s", "30"],
             cwd=REPO,
