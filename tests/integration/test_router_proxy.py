@@ -127,9 +127,13 @@ def test_errors_are_json(fleet: tuple[Proc, Proc, Proc]) -> None:
     unknown = httpx.post(router.url + "/replicas/nope/drain")
     assert unknown.status_code == 404 and "nope" in unknown.json()["error"]["message"]
     # HEAD (curl -I) is forwarded; the replica's body-less answer ends at its head.
+    before = replicas(router.url)
     head = httpx.head(router.url + "/v1/models", timeout=10)
+    after = replicas(router.url)
     direct = httpx.head(fleet[0].url + "/v1/models", timeout=10)
+    assert sum(after[n]["picks"] - before[n]["picks"] for n in ("a", "b")) == 1
     assert head.status_code == direct.status_code and head.content == b""
+    assert head.headers.get("allow") == direct.headers.get("allow")  # the replica's own answer
 
 
 def test_drained_replica_gets_no_work_and_comes_back(fleet: tuple[Proc, Proc, Proc]) -> None:
