@@ -118,12 +118,16 @@ def test_errors_are_json(fleet: tuple[Proc, Proc, Proc]) -> None:
     wrong_method = httpx.get(router.url + "/v1/completions")
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
     # The replica's own 4xx passes through unchanged.
-    bad = httpx.post(
-        router.url + "/v1/completions",
-        content=b"{not json",
-        headers={"content-type": "application/json"},
+    bad, direct_bad = (
+        httpx.post(
+            url + "/v1/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        )
+        for url in (router.url, fleet[0].url)
     )
-    assert 400 <= bad.status_code < 500 and "error" in bad.json()
+    assert bad.status_code == direct_bad.status_code == 400
+    assert bad.json()["error"]["message"] == direct_bad.json()["error"]["message"]
     unknown = httpx.post(router.url + "/replicas/nope/drain")
     assert unknown.status_code == 404 and "nope" in unknown.json()["error"]["message"]
     # HEAD (curl -I) is forwarded; the replica's body-less answer ends at its head.
