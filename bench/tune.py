@@ -45,7 +45,7 @@ from bench.stats import LevelSummary
 from bench.workload import WorkloadError
 from bench.yaml_edit import YamlEditError, set_max_concurrency
 from common.config import ConfigError, DeploymentConfig, load_config
-from common.gpu import list_gpus
+from common.gpu import list_gpus, pin_to_gpu
 
 
 @dataclass
@@ -230,9 +230,7 @@ def _replica_choice(
     if chosen is None:
         names = ", ".join(s.name for s in settings)
         raise UsageError(f"--replica {args.replica!r}: the config has {names}")
-    env = (
-        {"CUDA_VISIBLE_DEVICES": chosen.cuda_visible_devices} if chosen.cuda_visible_devices else {}
-    )
+    env = pin_to_gpu(chosen.cuda_visible_devices) if chosen.cuda_visible_devices else {}
     return chosen.name, env
 
 

@@ -166,7 +166,8 @@ class RouterConfig(_Strict):
     # that may be retries, so a fleet-wide outage does not multiply load.
     max_attempts: int = Field(3, ge=1)
     retry_budget_ratio: float = Field(0.2, ge=0)
-    # Total time the router gives one upstream request (a stream may take long).
+    # How long the router waits for the next bytes from a replica (a silent replica: 504); a
+    # stream that keeps sending may run longer. The replica's request_timeout_s bounds the total.
     request_timeout_s: float = Field(300.0, gt=0)
     connect_timeout_s: float = Field(2.0, gt=0)
     # On shutdown, how long in-flight requests may take to finish.

@@ -22,7 +22,7 @@ class GpuProbe(Protocol):
 
 @dataclass(frozen=True)
 class GpuInfo:
-    index: int  # NVML index (what CUDA_VISIBLE_DEVICES takes in the default PCI order)
+    index: int  # NVML index: CUDA's too under CUDA_DEVICE_ORDER=PCI_BUS_ID (see pin_to_gpu)
     name: str
     uuid: str
     memory: MemoryInfo
@@ -103,6 +103,16 @@ def list_gpus() -> list[GpuInfo]:
             )
         )
     return gpus
+
+
+def pin_to_gpu(nvml_index: str) -> dict[str, str]:
+    """The environment that pins a child process to one GPU, named by its NVML index.
+
+    NVML numbers GPUs in PCI bus order; CUDA by default puts the fastest first, so on a host
+    with mixed GPUs the two numberings differ. PCI_BUS_ID makes CUDA use NVML's order, so the
+    GPU whose memory was checked is the one the replica runs on and reads.
+    """
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": nvml_index}
 
 
 def visible_nvml_index(env: Mapping[str, str], cuda_ordinal: int = 0) -> int | str:

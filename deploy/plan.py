@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from common.config import ConfigError, DeploymentConfig, parse_config
-from common.gpu import GpuInfo
+from common.gpu import GpuInfo, pin_to_gpu
 
 MIB = 1024 * 1024
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -96,7 +96,7 @@ def build_children(cfg: DeploymentConfig, config_path: Path, python: str) -> lis
     """Replicas first (one per local device), the router last. ``cfg`` must be resolved."""
     specs = []
     for s in cfg.replica_settings():
-        extra = {"CUDA_VISIBLE_DEVICES": s.cuda_visible_devices} if s.cuda_visible_devices else {}
+        extra = pin_to_gpu(s.cuda_visible_devices) if s.cuda_visible_devices else {}
         specs.append(
             ChildSpec(
                 name=s.name,

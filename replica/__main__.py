@@ -26,7 +26,7 @@ from common.config import (
     format_validation_error,
     load_config,
 )
-from common.gpu import list_gpus
+from common.gpu import list_gpus, pin_to_gpu
 from replica.errors import ModelLoadError
 
 log = logging.getLogger("replica")
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"replica: error: {exc}", file=sys.stderr)
         return 2
     if settings.cuda_visible_devices is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        os.environ["CUDA_VISIBLE_DEVICES"] = settings.cuda_visible_devices
+        os.environ.update(pin_to_gpu(settings.cuda_visible_devices))
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -45,7 +45,8 @@ def test_children_are_the_replicas_then_the_router_with_their_own_argv() -> None
     assert [s.name for s in specs] == ["gpu3", "cpu0", "router"]
     argv = ("/py", "-m", "replica", "--config", "/run/up.yaml", "--replica", "gpu3")
     assert specs[0].argv == argv
-    assert specs[0].env == {"CUDA_VISIBLE_DEVICES": "3"}
+    # Pinned by NVML index, with CUDA told to number GPUs as NVML does (PCI bus order).
+    assert specs[0].env == {"CUDA_VISIBLE_DEVICES": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     assert specs[1].env == {}  # a CPU replica sees whatever the launcher sees
     assert specs[2].argv == ("/py", "-m", "router", "--config", "/run/up.yaml")
     assert [s.url for s in specs] == [
