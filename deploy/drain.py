@@ -80,8 +80,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deploy.drain", description=__doc__)
     parser.add_argument("url", help="base URL of the router or replica")
     parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument(
+        "--admin-keys-env", default="GPUPOOL_ADMIN_KEYS", help="as router.admin_keys_env"
+    )
+    parser.add_argument("--api-keys-env", default="GPUPOOL_API_KEYS", help="as router.api_keys_env")
     args = parser.parse_args(argv)
-    key = admin_key(os.environ)
+    key = admin_key(os.environ, args.admin_keys_env, args.api_keys_env)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     with httpx.Client(timeout=httpx.Timeout(5.0)) as client:
         return drain(args.url, client, args.timeout_s, headers)

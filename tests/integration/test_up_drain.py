@@ -87,3 +87,18 @@ def test_drain_and_status_use_the_admin_key_from_the_environment() -> None:
         drained = deploy("deploy.drain", router.url, "--timeout-s", "10", env=keys)
         assert drained.returncode == 0, drained.stderr
         assert httpx.get(router.url + "/health", timeout=5).json()["draining"] is True
+
+
+def test_drain_reads_the_key_variables_the_config_names() -> None:
+    # router.admin_keys_env: OPS_KEYS; the hook is told the same name.
+    with (
+        replica_process("--model", "simulated:decode_ms=0", "--name", "k0") as rep,
+        router_process(
+            "--replica", f"k0={rep.url}", "--admin-keys-env", "OPS_KEYS", env={"OPS_KEYS": "ops"}
+        ) as router,
+    ):
+        hook = ("deploy.drain", router.url, "--timeout-s", "10")
+        assert deploy(*hook, env={"OPS_KEYS": "ops"}).returncode == 2  # default names: no key
+        drained = deploy(*hook, "--admin-keys-env", "OPS_KEYS", env={"OPS_KEYS": "ops"})
+        assert drained.returncode == 0, drained.stderr
+        assert httpx.get(router.url + "/health", timeout=5).json()["draining"] is True
