@@ -58,8 +58,18 @@ def test_simulated_fleet_serves_restarts_a_killed_replica_and_drains_on_sigterm(
             timeout=30,
         )
         assert status.returncode == 0, status.stdout + status.stderr
-        for word in ("cpu0", "cpu1", "restarts", "ready"):
-            assert word in status.stdout
+        # A row per replica: name, state, ..., restarts (0 from this launcher's state, not "-").
+        lines = status.stdout.replace("┃", "│").splitlines()  # the header's bars are heavy
+        table = {
+            cells[0]: cells
+            for line in lines
+            if line.count("│") > 2
+            for cells in [[c.strip() for c in line.split("│")[1:-1]]]
+        }
+        assert "restarts" in table["replica"], status.stdout
+        for name in ("cpu0", "cpu1"):
+            assert table[name][1] == "ready", status.stdout
+            assert table[name][table["replica"].index("restarts")] == "0", status.stdout
 
         # kill -9 one replica: requests sent during the outage succeed on the other one.
         victim = up.child("cpu1")["pid"]
