@@ -136,8 +136,9 @@ def test_auth_keys(single: Proc) -> None:
         assert httpx.get(url + "/replicas", headers=_bearer("sk-user-123")).status_code == 403
         assert httpx.post(url + "/admin/drain").status_code == 401
         drained = httpx.post(url + "/replicas/one/drain", headers=_bearer("sk-admin-456"))
-        assert drained.status_code == 200
-        httpx.post(url + "/replicas/one/undrain", headers=_bearer("sk-admin-456"))
+        assert drained.status_code == 200 and drained.json()["state"] == "drained"
+        undrained = httpx.post(url + "/replicas/one/undrain", headers=_bearer("sk-admin-456"))
+        assert undrained.status_code == 200 and undrained.json()["state"] == "ready"
         assert "sk-user-123" not in router.log() and "sk-nope" not in router.log()
 
 
