@@ -236,8 +236,10 @@ class Proxy:
         if content is not None:
             self.outcomes.finish(replica, response.status_code)
             state["done"] = True
+            head = scope["method"] == "HEAD"
+            length = response.headers.get("content-length") if head else None
             await wire.send_whole(
-                send, response.status_code, wire.passed_headers(response), content
+                send, response.status_code, wire.passed_headers(response), content, length
             )
             return
         await self._stream(send, response, replica, state)

@@ -47,9 +47,14 @@ def passed_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
 
 
 async def send_whole(
-    send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+    send: Send,
+    status: int,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+    length: str | None = None,
 ) -> None:
-    headers = [*headers, (b"content-length", str(len(body)).encode())]
+    """The whole answer at once; ``length`` keeps a HEAD answer's Content-Length (no body)."""
+    headers = [*headers, (b"content-length", (length or str(len(body))).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 

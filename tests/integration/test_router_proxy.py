@@ -138,6 +138,7 @@ def test_errors_are_json(fleet: tuple[Proc, Proc, Proc]) -> None:
     assert sum(after[n]["picks"] - before[n]["picks"] for n in ("a", "b")) == 1
     assert head.status_code == direct.status_code and head.content == b""
     assert head.headers.get("allow") == direct.headers.get("allow")  # the replica's own answer
+    assert head.headers["content-length"] == direct.headers["content-length"] != "0"
 
 
 def test_drained_replica_gets_no_work_and_comes_back(fleet: tuple[Proc, Proc, Proc]) -> None:
