@@ -215,8 +215,8 @@ def create_app(
     metrics.bind(
         in_flight=lambda: gate.in_flight,
         queued=lambda: gate.queued,
-        ready=lambda: 1.0 if state.health().ready else 0.0,
-        peak_memory=lambda: float(state.health().peak_memory_bytes or 0),
+        ready=lambda: 1.0 if state.ready else 0.0,
+        peak_memory=lambda: float(state.peak_memory_bytes() or 0),
         memory_used=lambda: _memory("used_bytes"),
         memory_total=lambda: _memory("total_bytes"),
     )

@@ -32,16 +32,22 @@ class ReplicaState:
     error: str | None = None
     load_exception: BaseException | None = None
 
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready" and not self.gate.draining
+
+    def peak_memory_bytes(self) -> int | None:
+        """The engine's peak once loaded; None before, or if the engine cannot say."""
+        try:
+            return self.engine.peak_memory_bytes() if self.status == "ready" else None
+        except Exception:  # a probe must never break /health or /metrics
+            return None
+
     def health(self) -> HealthReport:
         draining = self.gate.draining
-        ready = self.status == "ready" and not draining
         status = self.status if self.status != "ready" else ("draining" if draining else "ready")
-        try:
-            peak = self.engine.peak_memory_bytes() if self.status == "ready" else None
-        except Exception:  # a probe must never break /health
-            peak = None
         return HealthReport(
-            ready=ready,
+            ready=self.ready,
             device=self.settings.device,
             model=self.engine.model_id,
             in_flight=self.gate.in_flight,
@@ -49,7 +55,7 @@ class ReplicaState:
             max_concurrency=self.gate.max_concurrency,
             max_queue=self.gate.max_queue,
             memory=self.probe.read(),
-            peak_memory_bytes=peak,
+            peak_memory_bytes=self.peak_memory_bytes(),
             uptime_s=round(self.clock() - self.started_at, 3),
             draining=draining,
             completed=self.gate.completed,
