@@ -266,10 +266,11 @@ class Proxy:
             )
             if replica is None:
                 # Full replicas not yet tried: 429; nothing else accepting: the failure, 503.
-                if stored is None and (
-                    attempt == 0 or refusal(self.pool.list(), tried) is Refusal.ALL_FULL
-                ):
-                    raise self._refuse(tried)
+                if stored is None:
+                    replicas = self.pool.list()
+                    why = refusal(replicas, tried)
+                    if attempt == 0 or why is Refusal.ALL_FULL:
+                        raise self._refuse(replicas, why)
                 break
             if attempt > 0:
                 if not self.budget.try_spend():
@@ -342,9 +343,8 @@ class Proxy:
         )
         return await self.client.send(request, stream=True)
 
-    def _refuse(self, tried: list[str]) -> RouterError:
-        replicas = self.pool.list()
-        if refusal(replicas, tried) is Refusal.ALL_FULL:
+    def _refuse(self, replicas: list[ReplicaState], why: Refusal) -> RouterError:
+        if why is Refusal.ALL_FULL:
             self.metrics.rejections.labels("all_full").inc()
             waiting = sum(max(r.outstanding - r.max_concurrency, 0) for r in replicas) + 1
             return AllReplicasBusy(
