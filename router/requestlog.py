@@ -16,6 +16,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router import wire
+
 log = logging.getLogger("gpupool.router")
 
 _PROBES = ("/health", "/metrics")
@@ -33,11 +35,7 @@ class RequestLog:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = None
-        for key, value in scope["headers"]:
-            if key == b"x-request-id":
-                given = value.decode("latin-1")
-                break
+        given = wire.header(scope, b"x-request-id")
         request_id = given if given and _ID_OK.match(given) else uuid.uuid4().hex
         info: dict[str, Any] = scope.setdefault("state", {})
         info["request_id"] = request_id
