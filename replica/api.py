@@ -103,27 +103,30 @@ async def _parse(request: Request, state: ReplicaState, model: type[M]) -> M:
 
 def _params(
     state: ReplicaState,
+    body: Sampling | GenerateRequest,
     max_tokens: int | None,
-    default_max: int,
-    temperature: float | None,
-    top_p: float | None,
-    seed: int | None,
-    stop: str | list[str] | None,
+    default_max: int | None = None,
     param: str = "max_tokens",
 ) -> GenerationParams:
+    """The body's sampling parameters; an unset ``max_tokens`` is ``default_max`` (None: the
+    replica's limit), never above the limit."""
     limit = state.settings.model.max_new_tokens
-    wanted = min(default_max, limit) if max_tokens is None else max_tokens
+    if max_tokens is None:
+        wanted = limit if default_max is None else min(default_max, limit)
+    else:
+        wanted = max_tokens
     if wanted > limit:
         raise InvalidRequest(
             f"{param} is {wanted}, above this replica's limit of {limit} (max_new_tokens)",
             param=param,
         )
+    stop = body.stop
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     return GenerationParams(
         max_tokens=wanted,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
         stop=tuple(s for s in stops if s),
     )
 
@@ -211,7 +214,7 @@ async def completions(request: Request) -> Response:
     if not prompt:
         raise InvalidRequest("prompt must not be empty", param="prompt")
     _check_text(state, prompt, "prompt")
-    params = _params(state, body.max_tokens, 16, body.temperature, body.top_p, body.seed, body.stop)
+    params = _params(state, body, body.max_tokens, 16)
     state.check_ready()
     _check_tokens(state, prompt, "prompt")
     return await execute(request, state, _openai_job("completion", prompt, params, body))
@@ -228,10 +231,7 @@ async def chat_completions(request: Request) -> Response:
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    limit = state.settings.model.max_new_tokens
-    params = _params(
-        state, wanted, limit, body.temperature, body.top_p, body.seed, body.stop, param
-    )
+    params = _params(state, body, wanted, param=param)
     state.check_ready()
     try:
         prompt = state.engine.render_chat(messages)
@@ -253,10 +253,7 @@ async def generate(request: Request) -> Response:
     if not body.text:
         raise InvalidRequest("text must not be empty", param="text")
     _check_text(state, body.text, "text")
-    limit = state.settings.model.max_new_tokens
-    params = _params(
-        state, body.max_tokens, limit, body.temperature, body.top_p, body.seed, body.stop
-    )
+    params = _params(state, body, body.max_tokens)
     state.check_ready()
     _check_tokens(state, body.text, "text")
     return await execute(request, state, Job("generate", body.text, params))
