@@ -17,7 +17,7 @@ import httpx
 import typer
 from rich.console import Console
 
-from deploy.drain import admin_key
+from deploy.drain import admin_key, bearer
 from deploy.launcher import run_up
 from deploy.state import read_state, state_path
 from deploy.status import StatusError, build_table, fetch_replicas, local_router_port
@@ -76,8 +76,7 @@ def status(
     """Show each replica behind a router: state, load, queue, memory, restarts."""
     # Piped or captured: do not squeeze the table into 80 columns.
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-    token = key or admin_key(os.environ)
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = bearer(key or admin_key(os.environ))
     try:
         with httpx.Client(timeout=5.0) as client:
             replicas = fetch_replicas(url, client, headers)

@@ -76,6 +76,11 @@ def admin_key(
     return first_key(env, admin) or first_key(env, api)
 
 
+def bearer(key: str | None) -> dict[str, str]:
+    """The Authorization header that sends ``key``; none without a key."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deploy.drain", description=__doc__)
     parser.add_argument("url", help="base URL of the router or replica")
@@ -86,9 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--api-keys-env", default="GPUPOOL_API_KEYS", help="as router.api_keys_env")
     args = parser.parse_args(argv)
     key = admin_key(os.environ, args.admin_keys_env, args.api_keys_env)
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
     with httpx.Client(timeout=httpx.Timeout(5.0)) as client:
-        return drain(args.url, client, args.timeout_s, headers)
+        return drain(args.url, client, args.timeout_s, bearer(key))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from rich.text import Text
 from common.config import ConfigError, DeploymentConfig, load_config
 from common.gpu import list_gpus, nvml_error
 from deploy import display, preflight
-from deploy.drain import admin_key
+from deploy.drain import admin_key, bearer, busy
 from deploy.plan import (
     ChildSpec,
     RestartPolicy,
@@ -274,10 +274,7 @@ class Launcher:
                 body = self.http.get(t.spec.url + "/health").json()
             except (httpx.HTTPError, ValueError):
                 continue
-            if isinstance(body, dict):
-                total += int(body.get("in_flight", 0) or 0)
-                if t.spec.kind == "replica":
-                    total += int(body.get("queued", 0) or 0)
+            total += busy(body)  # the router's /health has no "queued"
         return total
 
     def drain(self) -> None:
@@ -287,9 +284,8 @@ class Launcher:
             return
         r = self.cfg.router
         key = admin_key(self.env, r.admin_keys_env, r.api_keys_env)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
-            self.http.post(router.spec.url + "/admin/drain", headers=headers)
+            self.http.post(router.spec.url + "/admin/drain", headers=bearer(key))
         except httpx.HTTPError:
             return
         timeout = self.cfg.router.drain_timeout_s
