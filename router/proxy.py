@@ -133,7 +133,7 @@ class Proxy:
             return
         self.in_flight += 1
         me = asyncio.current_task()
-        state = {"gone": False, "done": False, "started": False, "streaming": False}
+        state = {"gone": False, "done": False, "started": False}
 
         async def send_tracked(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -363,7 +363,6 @@ class Proxy:
         state: dict[str, bool],
     ) -> None:
         finished = False
-        state["streaming"] = True
         try:
             await send(
                 {
