@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from bench.replica_proc import free_port
 
 BODY = b'{"text": "hi", "max_tokens": 1}'
 
@@ -61,12 +62,6 @@ class Phase:
         if not self.router_cpu_s:
             return None
         return self.requests / self.router_cpu_s
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
