@@ -68,10 +68,6 @@ class UpstreamTimeout(RouterError):
     """504: the replica did not answer within the router's request timeout."""
 
 
-class UpstreamFailed(RouterError):
-    """502: the replica failed and no other replica could take the request."""
-
-
 STATUS: dict[type[RouterError], tuple[int, ErrorType]] = {
     BadRequest: (400, "invalid_request_error"),
     PayloadTooLarge: (413, "invalid_request_error"),
@@ -83,7 +79,6 @@ STATUS: dict[type[RouterError], tuple[int, ErrorType]] = {
     NoReplicaReady: (503, "service_unavailable"),
     RouterDraining: (503, "service_unavailable"),
     UpstreamTimeout: (504, "timeout_error"),
-    UpstreamFailed: (502, "upstream_error"),
 }
 
 
