@@ -75,14 +75,7 @@ def test_simulated_fleet_serves_restarts_a_killed_replica_and_drains_on_sigterm(
         victim = up.child("cpu1")["pid"]
         os.kill(victim, signal.SIGKILL)
         assert [generate(up.url) for _ in range(6)] == [200] * 6
-        wait_until(
-            lambda: (
-                up.child("cpu1")["pid"] not in (None, victim)
-                and up.child("cpu1")["state"] == "ready"
-            ),
-            60,
-            "cpu1 restarted and ready",
-        )
+        up.wait_restarted("cpu1", victim, 60)
         assert up.child("cpu1")["restarts"] == 1
         wait_until(
             lambda: router_states(up.url) == ["ready", "ready"],
@@ -106,14 +99,7 @@ def test_simulated_fleet_serves_restarts_a_killed_replica_and_drains_on_sigterm(
         # The router is restarted too when it dies.
         router = up.child("router")["pid"]
         os.kill(router, signal.SIGKILL)
-        wait_until(
-            lambda: (
-                up.child("router")["pid"] not in (None, router)
-                and up.child("router")["state"] == "ready"
-            ),
-            60,
-            "the router restarted and ready",
-        )
+        up.wait_restarted("router", router, 60)
         assert generate(up.url) == 200
 
         # SIGTERM while requests run: every one is answered, then nothing is left.

@@ -35,6 +35,15 @@ class Up:
     def child(self, name: str) -> dict[str, Any]:
         return next(c for c in self.state()["children"] if c["name"] == name)
 
+    def wait_restarted(self, name: str, old_pid: int, timeout_s: float) -> None:
+        """Until the launcher runs ``name`` again (a pid other than ``old_pid``) and it is ready."""
+
+        def restarted() -> bool:
+            child = self.child(name)
+            return child["pid"] not in (None, old_pid) and child["state"] == "ready"
+
+        wait_until(restarted, timeout_s, f"{name} restarted and ready")
+
     def pids(self) -> list[int]:
         return [c["pid"] for c in self.state()["children"] if c["pid"]]
 
