@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.integration.up_harness import wait_until
 from tests.support import REPO, replica_process, router_process
 
 SIMULATED = "simulated:decode_ms=5,prefill_ms=0"
@@ -146,12 +146,12 @@ def test_through_a_router_memory_and_queue_wait_come_per_replica(tmp_path: Path)
 
 def wait_until_ready(url: str, replicas: int) -> None:
     """Bounded: the router sees every replica ready within 20 s, or the test fails."""
-    for _ in range(200):
+
+    def ready() -> bool:
         body = httpx.get(url + "/health", timeout=2.0).json()
-        if body.get("ready_replicas") == replicas:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"router never saw {replicas} ready replicas: {body}")
+        return bool(body.get("ready_replicas") == replicas)
+
+    wait_until(ready, 20, f"the router to see {replicas} ready replicas")
 
 
 class StallingServer(ThreadingHTTPServer):
