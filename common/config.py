@@ -104,8 +104,8 @@ class ReplicasConfig(_Strict):
     port_base: int = Field(9100, ge=1, le=65535)
     max_concurrency: int = Field(1, ge=1)
     max_queue: int = Field(32, ge=0)
-    queue_timeout_s: float = Field(30.0, gt=0)
-    request_timeout_s: float = Field(120.0, gt=0)
+    queue_timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+    request_timeout_s: float = Field(120.0, gt=0, allow_inf_nan=False)
     # How long `gpupool up` waits for a replica to load and warm up.
     ready_timeout_s: float = Field(600.0, gt=0)
     # Free device memory a GPU must keep beyond the model's weights estimate at start-up.
@@ -188,8 +188,8 @@ class ReplicaSettings(_Strict):
     port: int = Field(9100, ge=0, le=65535)
     max_concurrency: int = Field(1, ge=1)
     max_queue: int = Field(32, ge=0)
-    queue_timeout_s: float = Field(30.0, gt=0)
-    request_timeout_s: float = Field(120.0, gt=0)
+    queue_timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+    request_timeout_s: float = Field(120.0, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _device_shape(self) -> ReplicaSettings:
@@ -286,6 +286,7 @@ _MESSAGES = {
     "int_type": "must be an integer",
     "float_parsing": "must be a number",
     "float_type": "must be a number",
+    "finite_number": "must be a finite number",
     "bool_parsing": "must be true or false",
     "string_type": "must be a string",
     "list_type": "must be a list",

@@ -22,6 +22,11 @@ def test_a_bad_value_names_its_field_path_and_the_limit() -> None:
     assert "replicas.max_queue: must be >= 0 (got -1)" in message
 
 
+def test_an_endless_replica_timeout_is_refused_when_the_file_loads() -> None:
+    message = error_of({"replicas": {"request_timeout_s": float("inf")}})
+    assert "replicas.request_timeout_s: must be a finite number (got inf)" in message
+
+
 def test_a_nested_type_error_names_the_full_path() -> None:
     message = error_of({"router": {"discovery": {"name": "x", "port": "http"}}})
     assert "router.discovery.port: must be an integer" in message
