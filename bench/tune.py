@@ -178,7 +178,10 @@ async def _one_step(args: argparse.Namespace, url: str, concurrency: int) -> Lev
 
 
 def run_steps(
-    args: argparse.Namespace, config: DeploymentConfig | None, console: Console
+    args: argparse.Namespace,
+    config: DeploymentConfig | None,
+    choice: tuple[str, dict[str, str]],
+    console: Console,
 ) -> tuple[list[Step], str | None]:
     """The steps run, and why the search ended early if a replica would not start.
 
@@ -188,7 +191,7 @@ def run_steps(
     headroom = args.headroom_mb
     if headroom is None:
         headroom = config.replicas.headroom_mb if config is not None else 1024
-    name, env = _replica_choice(args, config)
+    name, env = choice  # from _replica_choice
     steps: list[Step] = []
     what = "client concurrency" if args.url else "max_concurrency"
     for c in steps_up_to(args.up_to):
@@ -287,11 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             prepare_out(args.out)
         if args.config is not None:
             config = load_config(args.config)
-        _replica_choice(args, config)
+        choice = _replica_choice(args, config)
     except (UsageError, WorkloadError, ConfigError) as exc:
         parser.error(str(exc))
     try:
-        steps, start_failure = run_steps(args, config, console)
+        steps, start_failure = run_steps(args, config, choice, console)
     except (ReplicaStartError, ConnectionError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 1
