@@ -220,7 +220,7 @@ async def events(
 
 
 async def execute(request: Request, state: ReplicaState, job: Job) -> Response:
-    state.check_ready()
+    """Admit and run ``job``; the route has already checked the request and readiness."""
     slot = await admit(request, state)
     run = Run(request, state, job, slot)
     if not job.stream:
